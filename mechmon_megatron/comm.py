@@ -1,0 +1,134 @@
+"""The one module of mechmon_megatron that talks to ``torch.distributed``.
+
+Collective rules (every caller relies on them):
+
+1. Same calls, same order, same shapes and dtypes on every rank of the group. No collective is
+   ever issued on a branch that only some ranks take; a rank with nothing to contribute sends
+   zeros of the agreed shape.
+2. Batch: one flat tensor per reduction, never one call per layer or per head.
+3. Every helper is a no-op (returns its input) when torch.distributed is not initialised or the
+   group has a single member, so the same code runs in a single CPU process.
+4. The device follows the group's backend: CPU tensors for gloo, the current CUDA device for
+   nccl. Callers pass tensors on any device; results come back on the caller's device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "Group",
+    "is_distributed",
+    "world_size",
+    "rank",
+    "global_rank",
+    "device_for_group",
+    "all_reduce_sum",
+    "all_reduce_max",
+    "all_gather_cat",
+    "all_gather_object",
+    "broadcast_object",
+    "barrier",
+    "group_ranks",
+]
+
+Group = Any
+"""A ``torch.distributed.ProcessGroup`` or ``None`` for the default (world) group."""
+
+
+def is_distributed() -> bool:
+    """True when a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_size(group: Group = None) -> int:
+    """Number of ranks in ``group`` (1 when not distributed)."""
+    return dist.get_world_size(group) if is_distributed() else 1
+
+
+def rank(group: Group = None) -> int:
+    """This process's rank inside ``group`` (0 when not distributed)."""
+    return dist.get_rank(group) if is_distributed() else 0
+
+
+def global_rank() -> int:
+    """This process's rank in the world group."""
+    return rank(None)
+
+
+def group_ranks(group: Group = None) -> list[int]:
+    """Global ranks that form ``group``, in group-rank order."""
+    if not is_distributed():
+        return [0]
+    if group is None:
+        return list(range(dist.get_world_size()))
+    return list(dist.get_process_group_ranks(group))
+
+
+def device_for_group(group: Group = None) -> torch.device:
+    """Device a collective on ``group`` needs: CPU for gloo, the current CUDA device for nccl."""
+    if not is_distributed():
+        return torch.device("cpu")
+    backend = dist.get_backend(group)
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _reduce(tensor: torch.Tensor, op: Any, group: Group) -> torch.Tensor:
+    if world_size(group) == 1:
+        return tensor
+    device = device_for_group(group)
+    buf = tensor.detach().to(device=device, copy=True).contiguous()
+    dist.all_reduce(buf, op=op, group=group)
+    return buf.to(tensor.device)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Out-of-place SUM all-reduce; the input is never modified."""
+    return _reduce(tensor, dist.ReduceOp.SUM if is_distributed() else None, group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
+    """Out-of-place MAX all-reduce; the input is never modified."""
+    return _reduce(tensor, dist.ReduceOp.MAX if is_distributed() else None, group)
+
+
+def all_gather_cat(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
+    """All-gather equal-shaped tensors and concatenate them along ``dim`` in group-rank order."""
+    n = world_size(group)
+    if n == 1:
+        return tensor
+    device = device_for_group(group)
+    local = tensor.detach().to(device).contiguous()
+    parts = [torch.empty_like(local) for _ in range(n)]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts, dim=dim).to(tensor.device)
+
+
+def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
+    """All-gather picklable objects (small metadata only, never tensors of a hot path)."""
+    n = world_size(group)
+    if n == 1:
+        return [obj]
+    out: list[Any] = [None] * n
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:
+    """Broadcast a picklable object from global rank ``src``."""
+    if world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def barrier(group: Group = None) -> None:
+    """Barrier over ``group``; no-op when not distributed."""
+    if world_size(group) > 1:
+        dist.barrier(group=group)

@@ -1,0 +1,66 @@
+"""Named scalar signals and their one-shot reduction across ranks.
+
+A monitor emits a ``dict[str, float]`` of the signals it could compute on this rank (its TP
+shard's heads, its PP stage's layers). Every rank knows the full, sorted list of signal names
+of the model (monitors declare it at attach time from the model config), so the reduction is a
+single SUM all-reduce of two fixed-shape float64 tensors over the world group:
+
+    value_N = sum_r owned_r[n] * v_r[n],   count_N = sum_r owned_r[n],   v[n] = value_N / count_N
+
+Data-parallel replicas own identical copies of a signal; averaging identical float64 values is
+exact. A name no rank owned this step comes back as NaN ("not observed").
+
+Names are hierarchical and stable: ``<family>/<signal>/<stat>[/layer_<L>[/head_<H>]]`` with
+family one of ``attn``, ``router``, ``global``. Sinks prefix them with ``mechmon/``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from mechmon_megatron import comm
+
+__all__ = ["FAMILIES", "family_of", "reduce_signals"]
+
+FAMILIES = ("attn", "router", "global")
+
+
+def family_of(name: str) -> str:
+    """Family of a signal name (its first path component)."""
+    family = name.split("/", 1)[0]
+    if family not in FAMILIES:
+        raise ValueError(f"signal {name!r}: family must be one of {FAMILIES}, got {family!r}")
+    return family
+
+
+def reduce_signals(
+    local: Mapping[str, float], names: Iterable[str], group: comm.Group = None
+) -> dict[str, float]:
+    """Combine per-rank signals into the full table, identical on every rank of ``group``.
+
+    Args:
+        local: signals this rank computed; keys must be a subset of ``names``.
+        names: every signal name of the model; the same sorted list on every rank.
+        group: ranks to combine over (default: world).
+
+    Returns:
+        ``{name: value}`` in ``names`` order; NaN where no rank owned the name. A non-finite
+        local value is carried as NaN (a defined value, never an exception).
+    """
+    names = list(names)
+    index = {n: i for i, n in enumerate(names)}
+    unknown = [k for k in local if k not in index]
+    if unknown:
+        raise KeyError(f"signals not declared at attach time: {sorted(unknown)[:5]}")
+    packed = torch.zeros(2, len(names), dtype=torch.float64)
+    for key, value in local.items():
+        v = float(value)
+        packed[0, index[key]] = v if math.isfinite(v) else math.nan
+        packed[1, index[key]] = 1.0
+    packed = comm.all_reduce_sum(packed, group)
+    total, count = packed[0], packed[1]
+    values = torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, math.nan))
+    return dict(zip(names, values.tolist()))

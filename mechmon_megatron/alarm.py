@@ -1,0 +1,301 @@
+"""The alarm: one verdict for every rank, one record, one file an operator can act on.
+
+Consensus. Detectors run on the reduced signal table, so they normally agree on every rank; the
+consensus step makes agreement a guarantee. On every monitored step every rank calls
+:func:`consensus` with the same tensor shape; one MAX all-reduce over the world group of::
+
+    [flag, -onset_step, -alarm_step, -global_rank, payload...]      int64
+
+gives ``flag`` = any rank tripped, and the earliest onset, earliest alarm step and lowest tripped
+rank (a rank that did not trip sends ``-2**62``, which never wins). The lowest tripped rank then
+broadcasts its diagnosis, on a branch every rank takes because every rank saw the same flag.
+
+Record and file. An :class:`Alarm` names the fault class, onset and alarm steps, the evidence, the
+hash of the configuration, the last checkpoint saved before the onset, the exit code and an
+``alarm_id``: 12 hex digits of ``sha256(fault_class|alarm_step|config_hash)``, short enough to
+type. Rank 0 writes it as ``mechmon_alarm.json`` beside the checkpoint (in the checkpoint's parent
+directory, e.g. Megatron's ``--save`` directory), atomically: a temporary file in the same
+directory, fsync, ``os.replace``. A reader sees the old file or the new one, never a part.
+
+Operator workflow (no restart loop):
+
+1. The alarm fires with ``actions.on_alarm: checkpoint_and_exit``: every rank saves a checkpoint
+   (the monitor's state, alarm included, travels in it), rank 0 writes ``mechmon_alarm.json``,
+   the job exits with ``actions.exit_code`` (default 86, distinct from 0 and from Megatron's rerun
+   codes 16/17). SLURM templates do not requeue on this code.
+2. A job resumed from that checkpoint unchanged raises the same alarm again before any training
+   step (same id, same evidence, same exit code; the file is rewritten) and exits.
+3. To continue anyway (after inspecting the evidence, lowering the LR, rolling back to
+   ``checkpoint_before_onset``...), set ``actions.acknowledge: <alarm_id>`` in the mechmon config.
+   The resumed job logs the acknowledgement and re-arms detection on fresh baselines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+
+__all__ = [
+    "ALARM_FILENAME",
+    "Alarm",
+    "Consensus",
+    "alarm_id",
+    "config_hash",
+    "consensus",
+    "jsonable",
+    "read_alarm_json",
+    "share_diagnosis",
+    "utc_now",
+    "write_alarm_json",
+]
+
+ALARM_FILENAME = "mechmon_alarm.json"
+"""Name of the alarm file, written in the directory that holds the alarm checkpoint."""
+
+_NONE = -(2**62)
+
+
+def utc_now() -> str:
+    """Current UTC time as an ISO-8601 string with seconds precision."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def jsonable(obj: Any) -> Any:
+    """Convert ``obj`` to plain JSON types; non-finite floats become ``None``.
+
+    Dataclasses become dicts, tuples and sets become lists, tensors and numpy scalars become
+    numbers or lists; anything else becomes its ``str``.
+    """
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return jsonable(obj.tolist())
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return jsonable(obj.item())
+    return str(obj)
+
+
+def config_hash(config: Any) -> str:
+    """16 hex digits identifying a configuration, ignoring ``actions.acknowledge``.
+
+    Acknowledging an alarm must not change the hash of the run's configuration, so that field is
+    dropped before hashing the canonical JSON form.
+    """
+    data = jsonable(config.to_dict() if hasattr(config, "to_dict") else config)
+    if not isinstance(data, dict):
+        data = {"config": data}
+    actions = data.get("actions")
+    if isinstance(actions, dict):
+        data["actions"] = {k: v for k, v in actions.items() if k != "acknowledge"}
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def alarm_id(fault_class: str, alarm_step: int, cfg_hash: str) -> str:
+    """Stable, typeable id of an alarm: 12 hex digits of ``sha256(class|step|config hash)``."""
+    return hashlib.sha256(f"{fault_class}|{alarm_step}|{cfg_hash}".encode()).hexdigest()[:12]
+
+
+@dataclass
+class Alarm:
+    """One alarm, as stored in the monitor's state and in ``mechmon_alarm.json``."""
+
+    alarm_id: str
+    """Short id; set ``actions.acknowledge`` to it to resume past this alarm."""
+    fault_class: str
+    """Attributed fault class (from the family that fired first)."""
+    families: list[str]
+    """Signal families with findings, in order of first firing."""
+    first_family: str | None
+    """Family that fired first."""
+    onset_step: int
+    """Estimated first step of the anomaly (earliest over ranks)."""
+    alarm_step: int
+    """Step at which the ranks agreed to raise the alarm."""
+    evidence: list[dict[str, Any]]
+    """Findings behind the diagnosis: signal, layer/head, value, baseline, detector."""
+    config_hash: str
+    """:func:`config_hash` of the mechmon configuration that raised it."""
+    exit_code: int
+    """Process exit code requested by ``checkpoint_and_exit``."""
+    action: str
+    """``actions.on_alarm`` when it was raised: log, warn or checkpoint_and_exit."""
+    checkpoint_before_onset: dict[str, Any] | None = None
+    """``{"step", "path"}`` of the last checkpoint saved before ``onset_step``, if any."""
+    alarm_checkpoint: str | None = None
+    """Checkpoint saved by the ``checkpoint_and_exit`` action."""
+    path: str | None = None
+    """Where the alarm file was last written."""
+    created_at: str = field(default_factory=utc_now)
+    """UTC time the alarm was first raised."""
+    raised_at: list[str] = field(default_factory=list)
+    """UTC times of every raise, including re-raises on resume."""
+    acknowledged_at: str | None = None
+    """UTC time a resumed job accepted ``actions.acknowledge`` for this alarm."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (also what travels in checkpoints)."""
+        return jsonable(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Alarm:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def summary(self) -> str:
+        """One line for logs: id, class, steps, first evidence, checkpoint to roll back to."""
+        ckpt = self.checkpoint_before_onset
+        where = f"{ckpt['path']} (step {ckpt['step']})" if ckpt else "none recorded"
+        first = self.evidence[0] if self.evidence else {}
+        lead = f" first evidence: {first.get('signal', first)};" if first else ""
+        return (
+            f"mechmon alarm {self.alarm_id}: {self.fault_class} (families {self.families}), "
+            f"onset step {self.onset_step}, alarm step {self.alarm_step};{lead} "
+            f"last checkpoint before onset: {where}; acknowledge with "
+            f"actions.acknowledge: {self.alarm_id}"
+        )
+
+
+@dataclass(frozen=True)
+class Consensus:
+    """What every rank agreed on at one monitored step."""
+
+    alarm: bool
+    """True if any rank's detectors tripped."""
+    onset_step: int
+    """Earliest onset over tripped ranks (-1 when ``alarm`` is False)."""
+    alarm_step: int
+    """Earliest alarm step over tripped ranks (-1 when ``alarm`` is False)."""
+    source_rank: int
+    """Lowest global rank that tripped; it broadcasts its diagnosis (-1 when none)."""
+    payload: tuple[int, ...] = ()
+    """Element-wise MAX over ranks of the extra counters passed to :func:`consensus`."""
+
+
+def consensus(
+    tripped: bool,
+    onset_step: int,
+    alarm_step: int,
+    group: comm.Group = None,
+    payload: Sequence[int] = (),
+) -> Consensus:
+    """One MAX all-reduce over ``group`` of this rank's flag, steps and counters.
+
+    Every rank must call this on every monitored step with a ``payload`` of the same length;
+    a rank that did not trip passes ``tripped=False`` (its steps are ignored).
+
+    Args:
+        tripped: this rank's detectors produced a diagnosis at this step.
+        onset_step: estimated onset of this rank's diagnosis.
+        alarm_step: step of this rank's diagnosis.
+        group: ranks that must act together (default: world).
+        payload: extra non-negative or negated counters to MAX-reduce in the same call (the
+            orchestrator's coverage report rides here instead of taking a second collective).
+
+    Returns:
+        The agreed :class:`Consensus`, identical on every rank of ``group``.
+    """
+    me = comm.global_rank()
+    head = [1, -int(onset_step), -int(alarm_step), -me] if tripped else [0, _NONE, _NONE, _NONE]
+    packed = torch.tensor(head + [int(v) for v in payload], dtype=torch.int64)
+    out = comm.all_reduce_max(packed, group).tolist()
+    rest = tuple(out[4:])
+    if out[0] <= 0:
+        return Consensus(False, -1, -1, -1, rest)
+    return Consensus(True, -out[1], -out[2], -out[3], rest)
+
+
+def share_diagnosis(
+    diagnosis: Any, agreed: Consensus, group: comm.Group = None
+) -> dict[str, Any]:
+    """Give every rank the diagnosis of ``agreed.source_rank`` as a plain dict.
+
+    Collective on ``group``; call it on every rank, only when ``agreed.alarm`` is True (which is
+    the same on every rank). ``diagnosis`` may be ``None`` on ranks that did not trip.
+
+    Returns:
+        ``{"fault_class", "families", "first_family", "evidence"}`` from the source rank.
+    """
+    local = None
+    if diagnosis is not None:
+        local = {
+            "fault_class": str(getattr(diagnosis, "fault_class", "unknown")),
+            "families": jsonable(list(getattr(diagnosis, "families", []) or [])),
+            "first_family": getattr(diagnosis, "first_family", None),
+            "evidence": [e if isinstance(e, dict) else {"finding": e}
+                         for e in jsonable(list(getattr(diagnosis, "evidence", []) or []))],
+        }
+    return comm.broadcast_object(local, src=agreed.source_rank, group=group)
+
+
+def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:
+    """Atomically write ``alarm`` as ``<directory>/mechmon_alarm.json``; return the path.
+
+    The JSON goes to a temporary file in ``directory`` that is flushed and fsynced, then renamed
+    over the target with ``os.replace`` (atomic on POSIX within one filesystem); the directory is
+    fsynced so the rename survives a crash. On any error the temporary file is removed and the
+    previous alarm file, if any, is left untouched.
+
+    Raises:
+        OSError: the directory cannot be created or written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / ALARM_FILENAME
+    alarm.path = str(target)
+    text = json.dumps(alarm.to_dict(), indent=2, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{ALARM_FILENAME}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # some filesystems do not open directories; the rename already happened
+        return target
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+    return target
+
+
+def read_alarm_json(path: str | os.PathLike[str]) -> Alarm:
+    """Read an alarm file (or the alarm file inside a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ALARM_FILENAME
+    with open(path, encoding="utf-8") as fh:
+        return Alarm.from_dict(json.load(fh))

@@ -1,0 +1,436 @@
+"""The orchestrator: monitors -> one reduced table -> detectors -> consensus -> actions, sinks.
+
+Usage (every rank, same order)::
+
+    mon = MechMon(config).attach(monitors, actions=framework_actions)
+    mon.load_state_dict(sd); mon.check_resume(ckpt)  # when resuming; check_resume is collective
+    for step in ...:
+        mon.begin_step(step)
+        ...forward/backward/optimizer step...
+        verdict = mon.end_step(step, loss=loss, grad_norm=grad_norm)
+
+A step is *monitored* when ``step % interval == 0``; ``interval`` is the gcd of the monitors'
+``interval`` attributes (1 when a monitor has none), so it is the same on every rank and every
+monitor's own steps are monitored steps. On a monitored step every rank makes exactly these
+collectives, whatever it observed: one SUM all-reduce (:func:`signals.reduce_signals`), one MAX
+all-reduce (:func:`alarm.consensus`, which also carries the coverage counters) and, only when
+the consensus says alarm (then on every rank), one broadcast of the diagnosis plus the action's
+barriers. A collective that fails is not hidden (the process group is broken); everything else
+that fails inside ``begin_step``/``end_step`` is caught, counted in the coverage report and warned
+once. The only way out of ``end_step`` is the ``checkpoint_and_exit`` action.
+
+An alarm latches: afterwards detectors keep producing findings (logged), but no new alarm is
+raised until a resumed job acknowledges it (:meth:`MechMon.check_resume`, workflow in
+``alarm.py``).
+
+Coverage (each monitored step, in every sink record), per monitor family, over ranks:
+``found``, ``observed``, ``skipped``, ``errors`` (max over ranks of the per-rank counts) and
+``observed_min`` (min over ranks: 0 shows a rank whose monitor read nothing); family ``mechmon``
+counts the orchestrator's own caught errors.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from mechmon_megatron import comm
+from mechmon_megatron.actions import FrameworkActions, ProcessExit, raise_alarm
+from mechmon_megatron.alarm import (
+    Alarm,
+    Consensus,
+    alarm_id,
+    config_hash,
+    consensus,
+    jsonable,
+    share_diagnosis,
+    utc_now,
+)
+from mechmon_megatron.signals import family_of, reduce_signals
+from mechmon_megatron.sinks import Sink, StepRecord, build_sinks
+
+__all__ = ["GLOBAL_SIGNALS", "Detectors", "MechMon", "Verdict"]
+
+logger = logging.getLogger(__name__)
+
+GLOBAL_SIGNALS = ("global/grad_norm", "global/loss")
+"""Signals the orchestrator adds from ``end_step(loss=..., grad_norm=...)``."""
+
+_COVERAGE_KEYS = ("found", "observed", "skipped", "errors")
+
+
+class Detectors(Protocol):
+    """The detector bank as the orchestrator uses it (``detect/``); identical on every rank."""
+
+    def update(self, step: int, table: Mapping[str, float]) -> list[Any]:
+        """Feed one reduced table; return this step's findings."""
+        ...
+
+    def diagnosis(self) -> Any | None:
+        """The current diagnosis (fault_class, families, first_family, onset_step, alarm_step,
+        evidence) when the alarm rule is met, else ``None``."""
+        ...
+
+    def reset(self) -> None:
+        """Forget baselines and detector state (re-arm on fresh baselines)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Torch-saveable state (baselines, detector accumulators)."""
+        ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        ...
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one step, identical on every rank."""
+
+    step: int
+    monitored: bool
+    """True when the step was a monitored step (signals reduced, detectors run)."""
+    signals: dict[str, float] = field(default_factory=dict)
+    """Full reduced signal table (empty on unmonitored steps)."""
+    findings: list[Any] = field(default_factory=list)
+    """Detector findings at this step."""
+    alarm: Alarm | None = None
+    """The alarm raised at this step, if any."""
+    exit_requested: bool = False
+    """True when the framework was asked to exit (``checkpoint_and_exit``)."""
+
+
+class MechMon:
+    """Runs the monitors and acts on their signals; one instance per rank.
+
+    Args:
+        config: ``MechMonConfig``; uses ``output_dir``, ``actions`` (on_alarm, exit_code,
+            acknowledge), ``sinks`` and what the default detector bank reads.
+    """
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.config_hash = config_hash(config)
+        self.monitors: list[Any] = []
+        self.names: list[str] = []
+        self.interval = 1
+        self.detectors: Detectors | None = None
+        self.sinks: list[Sink] = []
+        self.framework: FrameworkActions = ProcessExit()
+        self.group: comm.Group = None
+        self.alarm: Alarm | None = None
+        self.acknowledged: list[dict[str, Any]] = []
+        self.checkpoints: list[tuple[int, str]] = []
+        self.last_step = -1
+        self.monitored_steps = 0
+        self.errors = 0
+        self._warned: set[str] = set()
+        self._pending_state: dict[str, Any] | None = None
+
+    def attach(
+        self,
+        monitors: Sequence[Any],
+        actions: FrameworkActions | None = None,
+        sinks: Sequence[Sink] | None = None,
+        world_group: comm.Group = None,
+        logging_rank: int = 0,
+        detectors: Detectors | None = None,
+    ) -> MechMon:
+        """Wire monitors, detectors, actions and sinks; call once on every rank.
+
+        Args:
+            monitors: objects following the Monitor protocol (``monitors/base.py``); the same
+                kinds, in the same order, on every rank.
+            actions: how the framework saves and exits; default :class:`ProcessExit`.
+            sinks: sinks for the logging rank; default built from ``config.sinks``.
+            world_group: ranks that act together (default: world).
+            logging_rank: global rank that writes the sinks.
+            detectors: detector bank; default ``detect.DetectorBank`` over the signal names.
+
+        Returns:
+            ``self``.
+        """
+        self.monitors = list(monitors)
+        names = set(GLOBAL_SIGNALS)
+        for monitor in self.monitors:
+            names.update(monitor.signal_names())
+        for name in names:
+            family_of(name)
+        self.names = sorted(names)
+        self.interval = math.gcd(*[int(getattr(m, "interval", 1)) for m in self.monitors], 0) or 1
+        self.framework = actions if actions is not None else ProcessExit()
+        self.group = world_group
+        if detectors is None:
+            from mechmon_megatron.detect import DetectorBank
+
+            detectors = DetectorBank(self.config, self.names)
+        self.detectors = detectors
+        if comm.global_rank() == logging_rank:
+            if sinks is None:
+                sinks = build_sinks(self.config.sinks, self.config.output_dir)
+            self.sinks = list(sinks)
+        if self._pending_state is not None:
+            state, self._pending_state = self._pending_state, None
+            self.load_state_dict(state)
+        return self
+
+    def is_monitored(self, step: int) -> bool:
+        """Whether ``step`` is a monitored step (same answer on every rank)."""
+        return step % self.interval == 0
+
+    def note_checkpoint(self, step: int, path: str) -> None:
+        """Record that the framework saved a checkpoint of ``step`` at ``path``."""
+        self.checkpoints = [c for c in self.checkpoints if c[0] != step] + [(int(step), str(path))]
+        self.checkpoints.sort()
+
+    def begin_step(self, step: int) -> None:
+        """Before forward/backward of ``step``; never raises."""
+        for monitor in self.monitors:
+            try:
+                monitor.begin_step(step)
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+                self._error(f"{monitor.family}.begin_step", exc)
+
+    def end_step(self, step: int, loss: Any = None, grad_norm: Any = None) -> Verdict:
+        """After the optimizer step of ``step``: monitor, detect, agree, act, log.
+
+        Args:
+            step: iteration number after the update.
+            loss: this rank's loss (omit on ranks without one, e.g. early pipeline stages).
+            grad_norm: the global gradient norm, if known on this rank.
+
+        Returns:
+            The :class:`Verdict`, identical on every rank.
+        """
+        self.last_step = step
+        local: dict[str, float] = {}
+        for monitor in self.monitors:
+            try:
+                local.update(monitor.end_step(step))
+            except Exception as exc:  # noqa: BLE001
+                self._error(f"{monitor.family}.end_step", exc)
+        if not self.is_monitored(step):
+            if local:
+                self._warn_once("dropped", f"mechmon: signals emitted at unmonitored step {step} "
+                                f"are dropped (interval {self.interval})")
+            return Verdict(step, monitored=False)
+        self.monitored_steps += 1
+        for key, value in (("global/loss", loss), ("global/grad_norm", grad_norm)):
+            if value is not None:
+                try:
+                    local[key] = float(value)
+                except Exception as exc:  # noqa: BLE001
+                    self._error(key, exc)
+        unknown = [k for k in local if k not in self.names]
+        if unknown:
+            self._error("signals", KeyError(f"undeclared signals dropped: {sorted(unknown)[:5]}"))
+            local = {k: v for k, v in local.items() if k in self.names}
+        table = reduce_signals(local, self.names, self.group)
+        findings, diagnosis = self._detect(step, table)
+        agreed = consensus(
+            diagnosis is not None,
+            int(getattr(diagnosis, "onset_step", step)),
+            int(getattr(diagnosis, "alarm_step", step)),
+            self.group,
+            payload=self._coverage_payload(),
+        )
+        coverage = self._coverage(agreed)
+        alarm = None
+        if agreed.alarm:
+            alarm = self._new_alarm(share_diagnosis(diagnosis, agreed, self.group), agreed)
+            self.alarm = alarm
+        record = StepRecord(step, table, jsonable(findings), coverage,
+                            alarm.to_dict() if alarm is not None else None)
+        for sink in self.sinks:
+            sink.write(record)
+        exit_requested = False
+        if alarm is not None:
+            exit_requested = raise_alarm(alarm, self.config.actions.on_alarm, self.framework,
+                                         group=self.group, alarm_dir=self._default_alarm_dir())
+        return Verdict(step, True, table, findings, alarm, exit_requested)
+
+    def check_resume(self, checkpoint: str | None = None) -> Verdict | None:
+        """After loading a checkpoint: re-raise an unacknowledged alarm or re-arm detection.
+
+        Collective: call on every rank, before the first training step. If the loaded state holds
+        an alarm whose id differs from ``config.actions.acknowledge``, the alarm is raised again
+        at once (same id, evidence and exit code; the alarm file is rewritten; no new checkpoint)
+        with the configured action. If the id matches, the alarm is marked acknowledged, the
+        detectors are reset to learn fresh baselines, and training continues.
+
+        Args:
+            checkpoint: path of the checkpoint just loaded; the alarm file is rewritten beside
+                it (the state inside a checkpoint was captured before its path was known).
+                Without it: where the alarm file was last written, else ``output_dir``.
+
+        Returns:
+            A :class:`Verdict` carrying the re-raised alarm, or ``None`` when nothing was pending.
+        """
+        pending = self.alarm
+        agreed = consensus(pending is not None,
+                           pending.onset_step if pending else -1,
+                           pending.alarm_step if pending else -1, self.group)
+        if not agreed.alarm:
+            return None
+        record = pending.to_dict() if pending is not None else None
+        alarm = Alarm.from_dict(comm.broadcast_object(record, src=agreed.source_rank,
+                                                      group=self.group))
+        leader = comm.rank(self.group) == 0
+        ack = self.config.actions.acknowledge
+        if ack is not None and str(ack) == alarm.alarm_id:
+            alarm.acknowledged_at = utc_now()
+            self.acknowledged.append(alarm.to_dict())
+            self.alarm = None
+            self.detectors.reset()
+            if leader:
+                logger.warning("mechmon: alarm %s (%s, alarm step %d) acknowledged; detection "
+                               "re-armed on fresh baselines", alarm.alarm_id, alarm.fault_class,
+                               alarm.alarm_step)
+            return Verdict(alarm.alarm_step, monitored=False)
+        if leader and ack is not None:
+            logger.warning("mechmon: actions.acknowledge=%r does not match the pending alarm id "
+                           "%r", ack, alarm.alarm_id)
+        self.alarm = alarm
+        if checkpoint is not None:
+            alarm.alarm_checkpoint = alarm.alarm_checkpoint or str(checkpoint)
+            directory = os.path.dirname(os.path.abspath(str(checkpoint)))
+        elif alarm.path:
+            directory = os.path.dirname(alarm.path)
+        else:
+            directory = self._default_alarm_dir()
+        exit_requested = raise_alarm(alarm, self.config.actions.on_alarm, self.framework,
+                                     group=self.group, alarm_dir=directory, save=False)
+        return Verdict(alarm.alarm_step, False, alarm=alarm, exit_requested=exit_requested)
+
+    def coverage(self) -> dict[str, dict[str, int]]:
+        """This rank's coverage counters per monitor family (plus ``mechmon`` errors)."""
+        out = {self._family_key(i): {k: int(cov.get(k, 0)) for k in _COVERAGE_KEYS}
+               for i, cov in enumerate(self._local_coverage())}
+        out["mechmon"] = {"errors": self.errors}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able)."""
+        return {
+            "version": 1,
+            "monitors": [m.state_dict() for m in self.monitors],
+            "detectors": self.detectors.state_dict() if self.detectors is not None else None,
+            "alarm": self.alarm.to_dict() if self.alarm is not None else None,
+            "acknowledged": list(self.acknowledged),
+            "checkpoints": [list(c) for c in self.checkpoints],
+            "counters": {"last_step": self.last_step, "monitored_steps": self.monitored_steps,
+                         "errors": self.errors},
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; before :meth:`attach` it is applied at attach time.
+
+        Raises:
+            ValueError: the state was saved with a different number of monitors.
+        """
+        if self.detectors is None:
+            self._pending_state = dict(sd)
+            return
+        if len(sd["monitors"]) != len(self.monitors):
+            raise ValueError(f"mechmon state has {len(sd['monitors'])} monitors, "
+                             f"{len(self.monitors)} attached")
+        for monitor, state in zip(self.monitors, sd["monitors"], strict=True):
+            monitor.load_state_dict(state)
+        if sd["detectors"] is not None:
+            self.detectors.load_state_dict(sd["detectors"])
+        self.alarm = Alarm.from_dict(sd["alarm"]) if sd["alarm"] is not None else None
+        self.acknowledged = list(sd["acknowledged"])
+        self.checkpoints = [(int(s), str(p)) for s, p in sd["checkpoints"]]
+        counters = sd["counters"]
+        self.last_step = int(counters["last_step"])
+        self.monitored_steps = int(counters["monitored_steps"])
+        self.errors = int(counters["errors"])
+
+    def close(self) -> None:
+        """Close the sinks (flush files, finish owned runs)."""
+        for sink in self.sinks:
+            sink.close()
+
+    def _detect(self, step: int, table: Mapping[str, float]) -> tuple[list[Any], Any | None]:
+        try:
+            findings = list(self.detectors.update(step, table))
+            return findings, self.detectors.diagnosis() if self.alarm is None else None
+        except Exception as exc:  # noqa: BLE001
+            self._error("detectors", exc)
+            return [], None
+
+    def _new_alarm(self, shared: Mapping[str, Any], agreed: Consensus) -> Alarm:
+        fault = shared["fault_class"]
+        before = [c for c in self.checkpoints if c[0] < agreed.onset_step]
+        return Alarm(
+            alarm_id=alarm_id(fault, agreed.alarm_step, self.config_hash),
+            fault_class=fault,
+            families=list(shared["families"]),
+            first_family=shared["first_family"],
+            onset_step=agreed.onset_step,
+            alarm_step=agreed.alarm_step,
+            evidence=list(shared["evidence"]),
+            config_hash=self.config_hash,
+            exit_code=int(self.config.actions.exit_code),
+            action=str(self.config.actions.on_alarm),
+            checkpoint_before_onset={"step": before[-1][0], "path": before[-1][1]} if before
+            else None,
+        )
+
+    def _default_alarm_dir(self) -> str:
+        if self.checkpoints:
+            return os.path.dirname(self.checkpoints[-1][1])
+        return self.config.output_dir
+
+    def _local_coverage(self) -> list[dict[str, int]]:
+        out = []
+        for monitor in self.monitors:
+            try:
+                out.append(dict(monitor.coverage()))
+            except Exception as exc:  # noqa: BLE001
+                self._error(f"{monitor.family}.coverage", exc)
+                out.append({})
+        return out
+
+    def _family_key(self, index: int) -> str:
+        family = self.monitors[index].family
+        same = [m for m in self.monitors if m.family == family]
+        return family if len(same) == 1 else f"{family}_{index}"
+
+    def _coverage_payload(self) -> list[int]:
+        payload: list[int] = []
+        for cov in self._local_coverage():
+            counts = [int(cov.get(k, 0)) for k in _COVERAGE_KEYS]
+            payload += counts + [-counts[1]]
+        return payload + [self.errors]
+
+    def _coverage(self, agreed: Consensus) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        width = len(_COVERAGE_KEYS) + 1
+        for i in range(len(self.monitors)):
+            row = agreed.payload[i * width:(i + 1) * width]
+            entry = dict(zip(_COVERAGE_KEYS, row[:-1], strict=True))
+            entry["observed_min"] = -row[-1]
+            out[self._family_key(i)] = entry
+            if entry["found"] == 0:
+                self._warn_once(f"empty:{i}", f"mechmon: monitor {self._family_key(i)} found "
+                                "nothing to observe on any rank")
+        out["mechmon"] = {"errors": agreed.payload[-1]}
+        return out
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        self._warn_once(f"error:{where}", f"mechmon: {where} failed ({type(exc).__name__}: "
+                        f"{exc}); counted in coverage, monitoring continues")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning(message)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -1,0 +1,88 @@
+"""Consensus over spawned gloo ranks: one rank trips, every rank acts at the same step."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from mechmon_megatron.alarm import ALARM_FILENAME, consensus, read_alarm_json, share_diagnosis
+from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.monitor import GLOBAL_SIGNALS, MechMon
+from tests._dist import run_distributed
+from tests.unit.test_monitor_state import (
+    FirstAlarm,
+    SavingFramework,
+    SyntheticMonitor,
+    make_config,
+    make_mon,
+    run,
+)
+
+
+class _Diagnosis:
+    def __init__(self, rank: int) -> None:
+        self.fault_class = f"class_from_rank_{rank}"
+        self.families = ["attn"]
+        self.first_family = "attn"
+        self.evidence = [{"signal": "attn/x", "rank": rank}]
+
+
+def _agree(rank: int, world_size: int) -> list:
+    out = []
+    quiet = consensus(False, 0, 10, payload=[rank, -rank])
+    out.append((quiet.alarm, quiet.onset_step, quiet.alarm_step, quiet.source_rank,
+                quiet.payload))
+    one = consensus(rank == 2, 7, 10)
+    shared = share_diagnosis(_Diagnosis(rank) if rank == 2 else None, one)
+    out.append((one.alarm, one.onset_step, one.alarm_step, one.source_rank, shared))
+    two = consensus(rank in (1, 3), 9 if rank == 1 else 5, 12)
+    out.append((two.alarm, two.onset_step, two.alarm_step, two.source_rank))
+    return out
+
+
+def test_one_tripped_rank_gives_every_rank_the_same_verdict_and_step() -> None:
+    results = run_distributed(_agree, 4, timeout=60)
+    assert all(r == results[0] for r in results)
+    quiet, one, two = results[0]
+    assert quiet == (False, -1, -1, -1, (3, 0))
+    assert one[:4] == (True, 7, 10, 2)
+    assert one[4]["fault_class"] == "class_from_rank_2" and one[4]["evidence"][0]["rank"] == 2
+    assert two == (True, 5, 12, 1)
+
+
+def _orchestrate(rank: int, world_size: int, root: str) -> tuple:
+    cfg = make_config(Path(root), "checkpoint_and_exit")
+    cfg.sinks.console.enabled = False
+    framework = SavingFramework(os.path.join(root, "save"), rank=rank)
+    monitor = SyntheticMonitor(faults=(70,))
+    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
+    mon = MechMon(cfg).attach([monitor], actions=framework, logging_rank=world_size - 1,
+                              detectors=FirstAlarm(DetectorBank(cfg, names), trip=rank == 1))
+    framework.mon = mon
+    verdict = run(mon, range(1, 101))[-1]
+    assert verdict.exit_requested, "no alarm"
+    state = torch.load(os.path.join(verdict.alarm.alarm_checkpoint, f"mechmon_rank{rank}.pt"))
+    resumed_framework = SavingFramework(os.path.join(root, "save"), rank=rank)
+    resumed = make_mon(cfg, faults=(70,), framework=resumed_framework, trip=rank == 1)
+    resumed.load_state_dict(state)
+    again = resumed.check_resume(verdict.alarm.alarm_checkpoint)
+    return (verdict.step, verdict.alarm.alarm_id, verdict.alarm.fault_class,
+            verdict.alarm.onset_step, framework.calls, again.alarm.alarm_id,
+            resumed_framework.calls, len(mon.sinks))
+
+
+def test_orchestrator_on_four_ranks_acts_together_when_only_one_rank_trips(tmp_path) -> None:
+    results = run_distributed(_orchestrate, 4, str(tmp_path), timeout=120)
+    firsts = [r[:7] for r in results]
+    assert all(r == firsts[0] for r in firsts)
+    step, aid, fault, onset, calls, again, resumed_calls = firsts[0]
+    assert 70 < step < 100 and onset >= 70 and fault == "attention_update"
+    assert calls == [("save", step), ("exit", 86)]
+    assert again == aid and resumed_calls == [("exit", 86)]
+    assert [r[7] for r in results] == [0, 0, 0, 1]
+    on_disk = read_alarm_json(tmp_path / "save" / ALARM_FILENAME)
+    assert on_disk.alarm_id == aid and len(on_disk.raised_at) == 2
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == step // 2

@@ -1,0 +1,290 @@
+"""The orchestrator over a synthetic monitor: state round trips, resume, errors, coverage.
+
+``SyntheticMonitor`` is a deterministic signal generator that follows the Monitor protocol: per
+layer an attention entropy near 3.0 with small seeded noise that drops by 0.5 at each fault step
+(a level shift the default attn detectors see). ``FirstAlarm`` puts a minimal diagnosis on top of
+the real detector bank. Both are reused by the distributed tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
+from mechmon_megatron.config import MechMonConfig
+from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.monitor import GLOBAL_SIGNALS, MechMon
+from mechmon_megatron.sinks import JsonlSink
+
+
+class SyntheticMonitor:
+    """Monitor protocol; emits on steps that are multiples of ``interval``."""
+
+    family = "attn"
+
+    def __init__(self, layers: int = 2, faults: tuple[int, ...] = (), interval: int = 2,
+                 seed: int = 0) -> None:
+        self.layers, self.faults, self.interval = layers, faults, interval
+        self.rng = random.Random(seed)
+        self.observed = 0
+        self.begun = -1
+
+    def signal_names(self) -> list[str]:
+        return [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, self.layers + 1)]
+
+    def begin_step(self, step: int) -> None:
+        self.begun = step
+
+    def end_step(self, step: int) -> dict[str, float]:
+        if step % self.interval:
+            return {}
+        self.observed += 1
+        level = 3.0 - 0.5 * sum(step >= f for f in self.faults)
+        return {n: level + 0.01 * self.rng.gauss(0.0, 1.0) for n in self.signal_names()}
+
+    def coverage(self) -> dict[str, int]:
+        return {"found": self.layers, "observed": self.layers, "skipped": 0, "errors": 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.getstate(), "observed": self.observed}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.rng.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in sd["rng"]))
+        self.observed = sd["observed"]
+
+
+class FirstAlarm:
+    """Detectors protocol: the real bank, diagnosed as the first alarming finding."""
+
+    def __init__(self, bank: DetectorBank, trip: bool = True) -> None:
+        self.bank, self.trip, self.first = bank, trip, None
+
+    def update(self, step: int, table: dict[str, float]) -> list:
+        findings = self.bank.update(step, table)
+        alarms = [f for f in findings if f.alarm]
+        if alarms and self.trip and self.first is None:
+            self.first = {"fault_class": "attention_update", "families": ["attn"],
+                          "first_family": alarms[0].family, "onset_step": min(
+                              f.onset_step for f in alarms),
+                          "alarm_step": step, "evidence": [f.to_dict() for f in alarms]}
+        return findings
+
+    def diagnosis(self) -> SimpleNamespace | None:
+        return SimpleNamespace(**self.first) if self.first is not None else None
+
+    def reset(self) -> None:
+        self.bank.reset()
+        self.first = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"bank": self.bank.state_dict(), "first": self.first}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.bank.load_state_dict(sd["bank"])
+        self.first = sd["first"]
+
+
+class SavingFramework:
+    """FrameworkActions that saves the monitor state like an integration adapter does."""
+
+    def __init__(self, root: str, rank: int = 0) -> None:
+        self.root, self.rank, self.mon = root, rank, None
+        self.calls: list[tuple[str, int]] = []
+
+    def save_checkpoint(self, step: int) -> str | None:
+        self.calls.append(("save", step))
+        path = os.path.join(self.root, f"iter_{step:07d}")
+        os.makedirs(path, exist_ok=True)
+        torch.save(self.mon.state_dict(), os.path.join(path, f"mechmon_rank{self.rank}.pt"))
+        return path
+
+    def request_exit(self, exit_code: int) -> None:
+        self.calls.append(("exit", exit_code))
+
+
+def make_config(tmp_path, on_alarm: str = "log", acknowledge: str | None = None) -> MechMonConfig:
+    cfg = MechMonConfig()
+    cfg.output_dir = str(tmp_path / "out")
+    cfg.actions.on_alarm = on_alarm
+    cfg.actions.acknowledge = acknowledge
+    return cfg
+
+
+def make_mon(cfg: MechMonConfig, faults: tuple[int, ...] = (), framework=None, sinks=(),
+             trip: bool = True) -> MechMon:
+    monitor = SyntheticMonitor(faults=faults)
+    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
+    mon = MechMon(cfg).attach([monitor], actions=framework, sinks=list(sinks),
+                              detectors=FirstAlarm(DetectorBank(cfg, names), trip=trip))
+    if framework is not None:
+        framework.mon = mon
+    return mon
+
+
+def run(mon: MechMon, steps: range) -> list:
+    """Train over ``steps``; stop after the step at which the framework was asked to exit."""
+    verdicts = []
+    for step in steps:
+        mon.begin_step(step)
+        verdicts.append(mon.end_step(step, loss=2.0 + 0.01 * math.sin(step),
+                                     grad_norm=1.0 + 0.01 * math.cos(step)))
+        if verdicts[-1].exit_requested:
+            break
+    return verdicts
+
+
+def test_monitored_steps_follow_the_gcd_of_the_monitor_intervals(tmp_path) -> None:
+    cfg = make_config(tmp_path)
+    a, b = SyntheticMonitor(interval=4), SyntheticMonitor(interval=6)
+    b.family = "router"
+    mon = MechMon(cfg).attach([a, b], sinks=[], detectors=FirstAlarm(DetectorBank(cfg, [])))
+    assert mon.interval == 2
+    assert [s for s in range(13) if mon.is_monitored(s)] == [0, 2, 4, 6, 8, 10, 12]
+
+
+def test_state_dict_resume_gives_the_same_signals_and_alarm_as_a_straight_run(tmp_path) -> None:
+    n = 50
+    straight = make_mon(make_config(tmp_path), faults=(70,))
+    whole = run(straight, range(1, 2 * n + 1))
+
+    first = make_mon(make_config(tmp_path), faults=(70,))
+    head = run(first, range(1, n + 1))
+    torch.save(first.state_dict(), tmp_path / "state.pt")
+    second = make_mon(make_config(tmp_path), faults=(70,))
+    second.load_state_dict(torch.load(tmp_path / "state.pt"))
+    tail = run(second, range(n + 1, 2 * n + 1))
+
+    resumed = head + tail
+    assert [v.signals for v in resumed] == [v.signals for v in whole]
+    alarms = [v.alarm for v in whole if v.alarm is not None]
+    again = [v.alarm for v in resumed if v.alarm is not None]
+    assert len(alarms) == len(again) == 1
+    assert n < alarms[0].alarm_step < 2 * n and alarms[0].onset_step >= 70
+    for field in ("alarm_id", "alarm_step", "onset_step", "evidence", "config_hash"):
+        assert getattr(again[0], field) == getattr(alarms[0], field)
+
+
+def test_alarm_saves_state_writes_the_file_beside_the_checkpoint_and_exits(tmp_path) -> None:
+    framework = SavingFramework(str(tmp_path / "save"))
+    mon = make_mon(make_config(tmp_path, "checkpoint_and_exit"), faults=(70,),
+                   framework=framework)
+    mon.note_checkpoint(50, str(tmp_path / "save" / "iter_0000050"))
+    mon.note_checkpoint(80, str(tmp_path / "save" / "iter_0000080"))
+    verdicts = run(mon, range(1, 101))
+    raised = [v for v in verdicts if v.alarm is not None]
+    assert len(raised) == 1 and raised[0].exit_requested
+    step = raised[0].alarm.alarm_step
+    assert framework.calls == [("save", step), ("exit", 86)]
+    on_disk = read_alarm_json(tmp_path / "save" / ALARM_FILENAME)
+    assert on_disk.alarm_id == raised[0].alarm.alarm_id
+    assert on_disk.checkpoint_before_onset == {"step": 50,
+                                               "path": str(tmp_path / "save" / "iter_0000050")}
+    assert on_disk.alarm_checkpoint == str(tmp_path / "save" / f"iter_{step:07d}")
+    saved = torch.load(tmp_path / "save" / f"iter_{step:07d}" / "mechmon_rank0.pt")
+    assert saved["alarm"]["alarm_id"] == on_disk.alarm_id
+
+
+def _alarm_checkpoint(tmp_path) -> tuple[str, str, int]:
+    framework = SavingFramework(str(tmp_path / "save"))
+    mon = make_mon(make_config(tmp_path, "checkpoint_and_exit"), faults=(70, 160),
+                   framework=framework)
+    for v in run(mon, range(1, 101)):
+        if v.alarm is not None:
+            path = os.path.join(v.alarm.alarm_checkpoint, "mechmon_rank0.pt")
+            return path, v.alarm.alarm_id, v.alarm.alarm_step
+    raise AssertionError("no alarm")
+
+
+def test_resuming_unchanged_raises_the_same_alarm_before_any_step(tmp_path) -> None:
+    state, aid, step = _alarm_checkpoint(tmp_path)
+    framework = SavingFramework(str(tmp_path / "save"))
+    mon = make_mon(make_config(tmp_path, "checkpoint_and_exit"), faults=(70, 160),
+                   framework=framework)
+    mon.load_state_dict(torch.load(state))
+    verdict = mon.check_resume(os.path.dirname(state))
+    assert verdict.alarm.alarm_id == aid and verdict.alarm.alarm_step == step
+    assert verdict.exit_requested and framework.calls == [("exit", 86)]
+    on_disk = json.loads((tmp_path / "save" / ALARM_FILENAME).read_text())
+    assert on_disk["alarm_id"] == aid and len(on_disk["raised_at"]) == 2
+    assert on_disk["exit_code"] == 86 and on_disk["alarm_checkpoint"] == os.path.dirname(state)
+
+
+def test_acknowledged_resume_rearms_on_fresh_baselines(tmp_path, caplog) -> None:
+    state, aid, step = _alarm_checkpoint(tmp_path)
+    framework = SavingFramework(str(tmp_path / "save"))
+    mon = make_mon(make_config(tmp_path, "checkpoint_and_exit", acknowledge=aid),
+                   faults=(70, 160), framework=framework)
+    mon.load_state_dict(torch.load(state))
+    verdict = mon.check_resume()
+    assert verdict.alarm is None and not verdict.exit_requested and framework.calls == []
+    assert mon.alarm is None and mon.acknowledged[0]["alarm_id"] == aid
+    assert "acknowledged" in caplog.text
+    assert all(not c.baseline.ready for c in mon.detectors.bank.channels.values()
+               if c.baseline is not None)
+    later = [v for v in run(mon, range(step + 1, 201)) if v.alarm is not None]
+    assert len(later) == 1 and later[0].alarm.alarm_step > 160
+    assert later[0].alarm.alarm_id != aid
+
+
+def test_check_resume_without_an_alarm_does_nothing(tmp_path) -> None:
+    mon = make_mon(make_config(tmp_path, "checkpoint_and_exit"))
+    assert mon.check_resume() is None
+
+
+def test_state_loaded_before_attach_is_applied_at_attach(tmp_path) -> None:
+    mon = make_mon(make_config(tmp_path))
+    run(mon, range(1, 11))
+    fresh = MechMon(make_config(tmp_path))
+    fresh.load_state_dict(mon.state_dict())
+    monitor = SyntheticMonitor()
+    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
+    fresh.attach([monitor], sinks=[], detectors=FirstAlarm(DetectorBank(fresh.config, names)))
+    assert fresh.last_step == 10 and fresh.monitored_steps == 5 and monitor.observed == 5
+
+
+def test_monitor_errors_are_counted_and_never_raised(tmp_path) -> None:
+    class Broken(SyntheticMonitor):
+        def end_step(self, step: int) -> dict[str, float]:
+            raise RuntimeError("shard vanished")
+
+        def coverage(self) -> dict[str, int]:
+            return {"found": 2, "observed": 0, "skipped": 2, "errors": 1}
+
+    cfg = make_config(tmp_path)
+    monitor = Broken()
+    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    mon = MechMon(cfg).attach([monitor], sinks=[sink],
+                              detectors=FirstAlarm(DetectorBank(cfg, names)))
+    with pytest.warns(RuntimeWarning, match="shard vanished"):
+        verdicts = run(mon, range(1, 5))
+    assert [v.monitored for v in verdicts] == [False, True, False, True]
+    assert math.isnan(verdicts[1].signals["attn/delta2/entropy/layer_1/min"])
+    assert mon.errors == 4
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert lines[-1]["coverage"]["attn"] == {"found": 2, "observed": 0, "skipped": 2,
+                                             "errors": 1, "observed_min": 0}
+    assert lines[-1]["coverage"]["mechmon"] == {"errors": 4}
+
+
+def test_undeclared_signals_are_dropped_and_counted(tmp_path) -> None:
+    class Extra(SyntheticMonitor):
+        def end_step(self, step: int) -> dict[str, float]:
+            return {**super().end_step(step), "attn/bogus/x": 1.0}
+
+    cfg = make_config(tmp_path)
+    monitor = Extra()
+    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
+    mon = MechMon(cfg).attach([monitor], sinks=[],
+                              detectors=FirstAlarm(DetectorBank(cfg, names)))
+    with pytest.warns(RuntimeWarning, match="undeclared"):
+        verdict = run(mon, range(2, 3))[0]
+    assert "attn/bogus/x" not in verdict.signals and mon.errors == 1

@@ -1,0 +1,479 @@
+"""Megatron-LM: the ``--mechmon-config`` flag, hooks on the training loop, the alarm exit path.
+
+Nothing in Megatron-LM is edited. ``train()`` looks its helpers up as module globals of
+``megatron.training.training`` at call time, so :func:`install` replaces four of them (the same
+names on core_v0.16.1 and main; wrappers take ``*args, **kwargs`` because main adds keyword
+arguments)::
+
+    pretrain()
+      setup_model_and_optimizer   [wrapped] build monitors from the model chunks and optimizer,
+                                  attach MechMon (sinks on rank world_size - 1, where Megatron's
+                                  TensorBoard / W&B writers live), load
+                                  <load>/iter_NNNNNNN/mechmon_rank{r}.pt, check_resume()
+      train(): per iteration, `iteration` = completed updates
+        train_step(..., iteration=it)   [wrapped] begin_step(it + 1) ... end_step(it + 1, loss,
+                                        grad_norm); the update makes iteration it + 1 and train()
+                                        increments its counter right after, so mechmon's step is
+                                        Megatron's iteration number (logs, iter_NNNNNNN)
+        iteration += 1; training_log; eval
+        checkpoint_and_decide_exit      [wrapped] after an alarm: save, return True
+      save_checkpoint                   [wrapped] + mechmon_rank{r}.pt beside every checkpoint
+      sys.exit(exit_code)               86 (actions.exit_code) after an alarm
+
+Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by MechMon):
+
+1. ``end_step`` calls :class:`MegatronLMActions`: ``save_checkpoint(step)`` returns
+   ``<save>/iter_NNNNNNN``, the checkpoint Megatron writes at the end of this iteration;
+   MechMon writes ``<save>/mechmon_alarm.json``; ``request_exit(code)`` records the code.
+2. The wrapped ``train_step`` returns ``exit_code = code`` (unless Megatron's rerun state machine
+   already asked to exit with 16/17: that wins) and, with ``--exit-signal-handler``, sets
+   ``get_signal_handler()._signal_received``.
+3. ``checkpoint_and_decide_exit``: with ``--exit-signal-handler`` Megatron's own signal branch
+   saves and returns True; without it the wrapper calls ``save_checkpoint_and_time`` and returns
+   True. Either way one checkpoint, written by Megatron, with the monitor state (alarm included).
+4. ``train()`` breaks and calls ``sys.exit(code)``.
+
+Resuming from that checkpoint unchanged re-raises the alarm in ``check_resume`` and exits with
+the same code before any step; ``actions.acknowledge: <alarm_id>`` re-arms instead.
+
+In-process restart (``--inprocess-restart``, NVRx ``inprocess.Wrapper``): an ``Exception`` from
+the wrapped ``pretrain`` triggers a restart, a ``BaseException`` terminates the wrapper (it marks
+the rank terminated, waits at an iteration barrier, re-raises). mechmon raises no exception from
+its hooks and leaves through ``sys.exit``; ``SystemExit`` is a ``BaseException``, every rank
+exits at the same iteration, so the barrier completes and the alarm ends the job instead of
+restarting it.
+
+Two ways in: the launcher ``python -m mechmon_megatron.launch.megatron pretrain_gpt.py
+--mechmon-config cfg.yaml ...`` (strips the flag, then :func:`install`), or an edited
+``pretrain_gpt.py`` (``patches/``) that calls :func:`install_from_argv` and composes
+:func:`add_mechmon_args` into Megatron's ``extra_args_provider``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.monitor import MechMon
+from mechmon_megatron.sinks import build_sinks
+
+__all__ = [
+    "FLAG",
+    "MegatronLMActions",
+    "MegatronLMHooks",
+    "add_mechmon_args",
+    "chain_extra_args_provider",
+    "install",
+    "install_from_argv",
+    "load_mechmon_config",
+    "pop_mechmon_config",
+    "resolve_exit_code",
+    "state_path",
+    "uninstall",
+]
+
+FLAG = "--mechmon-config"
+"""The one command-line flag mechmon adds to Megatron-LM."""
+
+TRAINING_MODULE = "megatron.training.training"
+HOOKED = ("setup_model_and_optimizer", "train_step", "checkpoint_and_decide_exit",
+          "save_checkpoint")
+"""Module globals of ``megatron.training.training`` that :func:`install` wraps."""
+
+LOSS_KEY = "lm loss"
+"""Key of the language-model loss in the ``loss_dict`` returned by ``train_step``."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The flag
+# ----------------------------------------------------------------------------------------------
+
+
+def add_mechmon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: add ``--mechmon-config FILE`` (and nothing else)."""
+    group = parser.add_argument_group(title="mechmon")
+    group.add_argument(FLAG, type=str, default=None, metavar="FILE",
+                       help="mechmon YAML/JSON config; enables the training-instability monitors")
+    return parser
+
+
+def chain_extra_args_provider(
+    provider: Callable[[argparse.ArgumentParser], argparse.ArgumentParser] | None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """An ``extra_args_provider`` that runs ``provider`` (e.g. ModelOpt's) then adds the flag."""
+
+    def chained(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if provider is not None:
+            parser = provider(parser)
+        return add_mechmon_args(parser)
+
+    return chained
+
+
+def pop_mechmon_config(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """Find ``--mechmon-config FILE`` / ``--mechmon-config=FILE`` in ``argv``.
+
+    Returns:
+        ``(path or None, argv without the flag and its value)``.
+
+    Raises:
+        ValueError: the flag has no value or is given twice.
+    """
+    path: str | None = None
+    rest: list[str] = []
+    items = list(argv)
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if item == FLAG or item.startswith(FLAG + "="):
+            if path is not None:
+                raise ValueError(f"{FLAG} given more than once")
+            if item == FLAG:
+                if i + 1 >= len(items) or items[i + 1].startswith("--"):
+                    raise ValueError(f"{FLAG} expects a file path")
+                path = items[i + 1]
+                i += 1
+            else:
+                path = item[len(FLAG) + 1:]
+            if not path:
+                raise ValueError(f"{FLAG} expects a file path")
+        else:
+            rest.append(item)
+        i += 1
+    return path, rest
+
+
+def load_mechmon_config(path: str) -> MechMonConfig:
+    """Load and validate the file named by ``--mechmon-config``.
+
+    Raises:
+        ValueError: the file is missing, unreadable or invalid; the message names the flag, the
+            file and (for an invalid value) the dotted field.
+    """
+    if not os.path.isfile(path):
+        raise ValueError(f"{FLAG} {path}: no such file")
+    try:
+        return load_config(path)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{FLAG} {path}: {exc}") from exc
+
+
+def resolve_exit_code(code: object, alarm_exit_code: int | None) -> int:
+    """Process exit code for a ``SystemExit.code`` (or 0 for a normal return) of the script.
+
+    An alarm that asked to exit turns a clean exit (0 / None) into ``alarm_exit_code``; any
+    non-zero code (Megatron's rerun codes 16 and 17, a crash) passes through unchanged.
+    """
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # sys.exit("message"): Python prints it and exits 1
+        print(code, file=sys.stderr)
+        code = 1
+    if code == 0 and alarm_exit_code is not None:
+        return alarm_exit_code
+    return code
+
+
+def state_path(checkpoint_dir: str, rank: int) -> str:
+    """File of rank ``rank``'s monitor state inside a Megatron checkpoint directory."""
+    return os.path.join(checkpoint_dir, f"mechmon_rank{rank}.pt")
+
+
+def _iteration_dir(save: str, iteration: int) -> str:
+    return os.path.join(save, f"iter_{iteration:07d}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Framework actions
+# ----------------------------------------------------------------------------------------------
+
+
+class MegatronLMActions:
+    """:class:`~mechmon_megatron.actions.FrameworkActions` for Megatron-LM's training loop.
+
+    Both calls only record the request: Megatron saves and stops at the end of the iteration
+    through its own path (see the module docstring), because ``train()`` holds state a save needs
+    (FLOP counter, checkpointing context) that is not reachable from inside ``train_step``.
+    """
+
+    def __init__(self, get_args: Callable[[], Any]) -> None:
+        self._get_args = get_args
+        self.save_step: int | None = None
+        """Iteration whose checkpoint was requested, if any."""
+        self.exit_code: int | None = None
+        """Exit code requested, if any."""
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """Schedule the checkpoint of ``step``; return ``<save>/iter_NNNNNNN`` (None without
+        ``--save``)."""
+        save = self._get_args().save
+        if not save:
+            if comm.global_rank() == 0:
+                warnings.warn("mechmon: alarm without --save: Megatron will exit without a "
+                              "checkpoint", RuntimeWarning, stacklevel=2)
+            return None
+        self.save_step = int(step)
+        return _iteration_dir(save, int(step))
+
+    def request_exit(self, exit_code: int) -> None:
+        """Record ``exit_code``; Megatron leaves at the end of the current iteration."""
+        self.exit_code = int(exit_code)
+
+
+# ----------------------------------------------------------------------------------------------
+# Hooks
+# ----------------------------------------------------------------------------------------------
+
+
+class MegatronLMHooks:
+    """The wrapped ``megatron.training.training`` globals and the MechMon they drive."""
+
+    def __init__(self, config: MechMonConfig, training: Any) -> None:
+        self.config = config
+        self.training = training
+        self.actions = MegatronLMActions(training.get_args)
+        self.mon: MechMon | None = None
+        """The attached ``MechMon`` (None until the model and optimizer exist)."""
+        self.originals: dict[str, Callable[..., Any]] = {}
+        self._signatures: dict[str, inspect.Signature] = {}
+
+    @property
+    def alarm_exit_code(self) -> int | None:
+        """Exit code an alarm asked for, or None."""
+        return self.actions.exit_code
+
+    def install(self) -> None:
+        """Replace the hooked globals of the training module (idempotent)."""
+        for name in HOOKED:
+            if name in self.originals:
+                continue
+            original = getattr(self.training, name)
+            self.originals[name] = original
+            self._signatures[name] = inspect.signature(original)
+            setattr(self.training, name, getattr(self, "_" + name))
+
+    def uninstall(self) -> None:
+        """Put the original globals back."""
+        for name, original in self.originals.items():
+            setattr(self.training, name, original)
+        self.originals.clear()
+        if self.mon is not None:
+            atexit.unregister(self.mon.close)
+
+    def _bind(self, name: str, args: tuple, kwargs: dict) -> Mapping[str, Any]:
+        bound = self._signatures[name].bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.originals["setup_model_and_optimizer"](*args, **kwargs)
+        model, optimizer, _ = result
+        margs = self.training.get_args()
+        if not self.config.enabled or optimizer is None:
+            return result
+        from mechmon_megatron.integrations.megatron_core import build_monitors
+
+        chunks = model if isinstance(model, list) else [model]
+        monitors = build_monitors(self.config, chunks, optimizer)
+        logging_rank = comm.world_size() - 1
+        sinks = None
+        if comm.global_rank() == logging_rank:
+            sinks = build_sinks(self.config.sinks, self.config.output_dir,
+                                tensorboard_writer=self.training.get_tensorboard_writer(),
+                                wandb_run=self.training.get_wandb_writer())
+        mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks,
+                                          logging_rank=logging_rank)
+        self.mon = mon
+        atexit.register(mon.close)
+        self._load_state(margs)
+        verdict = mon.check_resume()
+        if verdict is not None and verdict.exit_requested:
+            self._announce_exit(verdict.alarm, "on resume, before any step")
+            sys.exit(self.actions.exit_code)
+        return result
+
+    def _load_state(self, margs: Any) -> None:
+        """Load this rank's monitor state from the resumed checkpoint, if every rank has one."""
+        iteration = int(getattr(margs, "iteration", 0) or 0)
+        if not margs.load or iteration <= 0 or getattr(margs, "finetune", False):
+            return
+        path = state_path(_iteration_dir(margs.load, iteration), comm.global_rank())
+        state, problem = None, None
+        if not os.path.isfile(path):
+            problem = f"{path} not found"
+        else:
+            try:
+                # Written by _write_state of this module (nested dicts/lists/tensors/str).
+                saved = torch.load(path, map_location="cpu", weights_only=False)
+                if saved["world_size"] != comm.world_size():
+                    problem = (f"saved at world size {saved['world_size']}, "
+                               f"running at {comm.world_size()}")
+                elif len(saved["mechmon"]["monitors"]) != len(self.mon.monitors):
+                    problem = "saved with a different set of monitors"
+                else:
+                    state = saved["mechmon"]
+            except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
+                problem = f"{path} unreadable ({type(exc).__name__}: {exc})"
+        # Every rank loads or none does: the detectors must stay identical across ranks.
+        bad = comm.all_reduce_max(torch.tensor([0 if state is not None else 1]))
+        if int(bad.item()) == 0:
+            self.mon.load_state_dict(state)
+            return
+        if problem is not None:
+            warnings.warn(f"mechmon: monitor state of iteration {iteration} not restored "
+                          f"({problem}); monitoring starts on fresh baselines", RuntimeWarning,
+                          stacklevel=2)
+
+    # -- per iteration -------------------------------------------------------------------------
+
+    def _train_step(self, *args: Any, **kwargs: Any) -> Any:
+        original = self.originals["train_step"]
+        if self.mon is None:
+            return original(*args, **kwargs)
+        iteration = self._bind("train_step", args, kwargs)["iteration"]
+        if iteration is None:
+            iteration = self.training.get_args().curr_iteration
+        step = int(iteration) + 1
+        self.mon.begin_step(step)
+        out = tuple(original(*args, **kwargs))
+        loss_dict, _, _, should_exit, _, grad_norm = out[:6]
+        if should_exit:  # the rerun state machine stopped before the update: nothing to monitor
+            return out
+        self.mon.end_step(step, loss=_loss_of(loss_dict), grad_norm=grad_norm)
+        code = self.actions.exit_code
+        if code is None:
+            return out
+        if self.training.get_args().exit_signal_handler:
+            self.training.get_signal_handler()._signal_received = True
+        return out[:4] + (code,) + out[5:]
+
+    def _checkpoint_and_decide_exit(self, *args: Any, **kwargs: Any) -> bool:
+        original = self.originals["checkpoint_and_decide_exit"]
+        if self.actions.exit_code is None:
+            return original(*args, **kwargs)
+        margs = self.training.get_args()
+        a = self._bind("checkpoint_and_decide_exit", args, kwargs)
+        if margs.exit_signal_handler:
+            # Megatron's signal branch (flag set in _train_step) saves and returns True.
+            should_exit = original(*args, **kwargs)
+        else:
+            if margs.save:
+                self.training.save_checkpoint_and_time(
+                    a["iteration"], a["model"], a["optimizer"], a["opt_param_scheduler"],
+                    a["num_floating_point_operations_so_far"], a["checkpointing_context"],
+                    train_data_iterator=a["train_data_iterator"],
+                )
+            should_exit = True
+        if self.actions.save_step is not None and self.actions.save_step != a["iteration"]:
+            warnings.warn(f"mechmon: alarm checkpoint requested for iteration "
+                          f"{self.actions.save_step}, saved at {a['iteration']}", RuntimeWarning,
+                          stacklevel=2)
+        self._announce_exit(self.mon.alarm if self.mon is not None else None,
+                            f"after saving iteration {a['iteration']}")
+        return should_exit
+
+    def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.originals["save_checkpoint"](*args, **kwargs)
+        if self.mon is None:
+            return result
+        a = self._bind("save_checkpoint", args, kwargs)
+        save = self.training.get_args().save
+        if save and not a.get("non_persistent_ckpt") and not a.get("release"):
+            directory = _iteration_dir(save, int(a["iteration"]))
+            self.mon.note_checkpoint(int(a["iteration"]), directory)
+            self._write_state(directory)
+        return result
+
+    def _write_state(self, directory: str) -> None:
+        rank = comm.global_rank()
+        path = state_path(directory, rank)
+        tmp = f"{path}.tmp"
+        try:
+            os.makedirs(directory, exist_ok=True)
+            torch.save({"world_size": comm.world_size(), "rank": rank,
+                        "mechmon": self.mon.state_dict()}, tmp)
+            os.replace(tmp, path)
+        except OSError as exc:
+            warnings.warn(f"mechmon: could not write {path} ({exc}); a resume from this "
+                          "checkpoint starts monitoring afresh", RuntimeWarning, stacklevel=2)
+
+    def _announce_exit(self, alarm: Any, when: str) -> None:
+        if comm.global_rank() != 0:
+            return
+        where = getattr(alarm, "path", None) or "(no alarm file written)"
+        ident = getattr(alarm, "alarm_id", "?")
+        print(f"mechmon: alarm {ident}: exiting with code {self.actions.exit_code} {when}; "
+              f"alarm report {where}", file=sys.stderr, flush=True)
+
+
+def _loss_of(loss_dict: Mapping[str, Any] | None) -> Any:
+    """The LM loss of ``train_step``'s ``loss_dict`` (None on ranks without one, e.g. early PP
+    stages); left as a tensor so only monitored steps pay for ``.item()``."""
+    if not loss_dict:
+        return None
+    if LOSS_KEY in loss_dict:
+        return loss_dict[LOSS_KEY]
+    return next(iter(loss_dict.values()))
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------
+
+_INSTALLED: MegatronLMHooks | None = None
+
+
+def install(config: MechMonConfig, training: Any = None) -> MegatronLMHooks:
+    """Hook mechmon into ``megatron.training.training``; call before ``pretrain()``.
+
+    Args:
+        config: the validated configuration.
+        training: the training module (default: import ``megatron.training.training``).
+
+    Returns:
+        The installed hooks (the same object when called again).
+    """
+    global _INSTALLED
+    if _INSTALLED is not None:
+        return _INSTALLED
+    if training is None:
+        training = importlib.import_module(TRAINING_MODULE)
+    hooks = MegatronLMHooks(config, training)
+    hooks.install()
+    _INSTALLED = hooks
+    return hooks
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests, or a process that runs several trainings)."""
+    global _INSTALLED
+    if _INSTALLED is not None:
+        _INSTALLED.uninstall()
+        _INSTALLED = None
+
+
+def install_from_argv(argv: Sequence[str] | None = None) -> MegatronLMHooks | None:
+    """For an edited ``pretrain_gpt.py``: install if ``argv`` (default ``sys.argv``) names a
+    config. The flag stays in ``argv`` for Megatron's parser (see :func:`add_mechmon_args`).
+
+    Raises:
+        ValueError: the flag is malformed or the file is missing or invalid (before Megatron
+            starts).
+    """
+    path, _ = pop_mechmon_config(sys.argv if argv is None else argv)
+    if path is None:
+        return None
+    return install(load_mechmon_config(path))

@@ -1,0 +1,68 @@
+"""Run an unmodified Megatron-LM training script under mechmon.
+
+Usage (one process per GPU, e.g. under torchrun)::
+
+    python -m mechmon_megatron.launch.megatron pretrain_gpt.py --mechmon-config cfg.yaml \\
+        <Megatron-LM arguments>
+
+1. ``--mechmon-config FILE`` (or ``--mechmon-config=FILE``) is removed from the arguments and the
+   file is loaded and validated before Megatron starts; a missing or invalid file exits with
+   code 2 and a message naming the file and the field.
+2. :func:`mechmon_megatron.integrations.megatron_lm.install` hooks the training loop.
+3. The script runs as ``__main__`` (``runpy``) with ``sys.argv = [script, <Megatron args>]`` and
+   its directory first on ``sys.path``, as ``python script.py`` would.
+4. Exit code: after an alarm with ``checkpoint_and_exit``, ``actions.exit_code`` (default 86);
+   otherwise the script's own (0, or Megatron's rerun codes 16/17, passed through).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+
+from mechmon_megatron.config import MechMonConfig
+from mechmon_megatron.integrations import megatron_lm
+
+__all__ = ["main", "run"]
+
+USAGE = (f"usage: python -m mechmon_megatron.launch.megatron SCRIPT.py {megatron_lm.FLAG} FILE "
+         "[Megatron-LM arguments]")
+
+
+def run(script: str, argv: Sequence[str], config: MechMonConfig) -> int:
+    """Run ``script`` with ``argv`` under mechmon; return the process exit code."""
+    hooks = megatron_lm.install(config)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    code: object = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+    return megatron_lm.resolve_exit_code(code, hooks.alarm_exit_code)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the launcher's command line and run the script; return the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    script, rest = args[0], args[1:]
+    try:
+        config_path, rest = megatron_lm.pop_mechmon_config(rest)
+        if config_path is None:
+            raise ValueError(f"{megatron_lm.FLAG} FILE is required")
+        if not os.path.isfile(script):
+            raise ValueError(f"{script}: no such training script")
+        config = megatron_lm.load_mechmon_config(config_path)
+    except ValueError as exc:
+        print(f"mechmon: error: {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    return run(script, rest, config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

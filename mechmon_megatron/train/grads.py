@@ -1,0 +1,52 @@
+"""Gradient synchronisation for megatron-core models trained with a plain ``torch.optim``.
+
+Megatron's DDP wrapper and optimizers are CUDA-only, so the reference trainer does their
+reductions itself, in a fixed order on every rank:
+
+1. Parameters replicated across TP whose inputs are sequence-sharded (norms and the router under
+   sequence parallelism, tagged ``param.sequence_parallel``): each TP rank saw a different slice
+   of the sequence, so the full gradient is the SUM over the TP group.
+2. Dense parameters: mean over the data-parallel group (each DP rank saw different samples).
+3. Expert parameters (``param.allreduce is False``): SUM over the expert-data-parallel group,
+   scaled by 1/DP. Expert parallelism is carved out of DP and the dispatcher already brought
+   every DP rank's tokens to the expert, so its local gradient is a sum over EP ranks' losses;
+   the loss is a mean over all DP ranks, hence 1/DP, not 1/expert-DP (as megatron's DDP).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mechmon_megatron import comm
+
+__all__ = ["sync_grads"]
+
+
+def _flat_reduce(
+    params: list[torch.nn.Parameter], group: comm.Group, scale: float, always_scale: bool = False
+) -> None:
+    if not params or (comm.world_size(group) == 1 and not always_scale):
+        return
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    flat = comm.all_reduce_sum(flat, group) * scale
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        offset += n
+
+
+def sync_grads(model: torch.nn.Module) -> None:
+    """All-reduce gradients of ``model`` across TP (sequence-parallel params), DP and expert-DP."""
+    from megatron.core import parallel_state as ps
+
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    seq_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
+    _flat_reduce(seq_parallel, ps.get_tensor_model_parallel_group(), 1.0)
+
+    dense = [p for p in params if getattr(p, "allreduce", True)]
+    expert = [p for p in params if not getattr(p, "allreduce", True)]
+    dp_group = ps.get_data_parallel_group()
+    _flat_reduce(dense, dp_group, 1.0 / comm.world_size(dp_group))
+    edp_group = ps.get_expert_data_parallel_group()
+    _flat_reduce(expert, edp_group, 1.0 / comm.world_size(dp_group), always_scale=True)

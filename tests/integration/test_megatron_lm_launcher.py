@@ -508,3 +508,59 @@ def test_install_wraps_the_training_globals_and_uninstall_restores_them():
         megatron_lm.uninstall()
     for name in megatron_lm.HOOKED:
         assert getattr(module, name) is originals[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# patches/apply_mechmon.py (on a file with the two anchor lines of pretrain_gpt.py)
+# ----------------------------------------------------------------------------------------------
+
+SCRIPT_MAIN_BLOCK = '''
+if __name__ == "__main__":
+    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+
+    pretrain(
+        forward_step,
+        extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None,
+        store=store,
+    )
+'''
+
+
+def _apply(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "patches" / "apply_mechmon.py"), *argv],
+                          capture_output=True, text=True)
+
+
+def test_the_patch_script_edits_once_and_the_result_compiles(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text(SCRIPT_MAIN_BLOCK)
+    assert _apply("--check", str(script)).returncode == 1
+    assert _apply(str(script)).returncode == 0
+    edited = script.read_text()
+    assert "mechmon_lm.install_from_argv()" in edited
+    assert ("extra_args_provider=mechmon_lm.chain_extra_args_provider("
+            "add_modelopt_args if has_nvidia_modelopt else None),") in edited
+    compile(edited, str(script), "exec")
+    again = _apply(str(script))
+    assert again.returncode == 0 and "already edited" in again.stdout
+    assert script.read_text() == edited
+    assert _apply("--check", str(script)).returncode == 0
+
+
+def test_the_patch_script_refuses_an_unexpected_file_and_writes_nothing(tmp_path):
+    script = tmp_path / "pretrain_gpt.py"
+    text = SCRIPT_MAIN_BLOCK.replace("extra_args_provider=add_modelopt_args", "extra_args=x")
+    script.write_text(text)
+    proc = _apply(str(script))
+    assert proc.returncode == 1
+    assert "not supported by the patch" in proc.stderr and "launch.megatron" in proc.stderr
+    assert script.read_text() == text
+
+
+@pytest.mark.parametrize("name", ["pretrain_gpt_core_v0.16.1.diff", "pretrain_gpt_main.diff"])
+def test_the_shipped_diffs_make_the_same_two_edits_as_the_script(name):
+    added = [line[1:].strip() for line in (REPO / "patches" / name).read_text().splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    assert "mechmon_lm.install_from_argv()" in added
+    assert any(line.startswith("extra_args_provider=mechmon_lm.chain_extra_args_provider(")
+               for line in added)

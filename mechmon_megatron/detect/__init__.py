@@ -1,0 +1,37 @@
+"""Detection: per-signal baselines, detectors, the detector bank and fault attribution.
+
+Pure Python (no torch.distributed, no framework): the bank runs identically on every rank over
+the reduced signal table, so every rank reaches the same findings at the same step.
+"""
+
+from mechmon_megatron.detect.attribution import Diagnosis, diagnose, parse_location
+from mechmon_megatron.detect.bank import DetectorBank, SignalChannel, compile_pattern
+from mechmon_megatron.detect.baseline import Baseline
+from mechmon_megatron.detect.detectors import (
+    Bounds,
+    Cusum,
+    Detector,
+    Finding,
+    LossSpike,
+    NonFinite,
+    RobustZ,
+    ZSpike,
+)
+
+__all__ = [
+    "Baseline",
+    "Bounds",
+    "Cusum",
+    "Detector",
+    "DetectorBank",
+    "Diagnosis",
+    "Finding",
+    "LossSpike",
+    "NonFinite",
+    "RobustZ",
+    "SignalChannel",
+    "ZSpike",
+    "compile_pattern",
+    "diagnose",
+    "parse_location",
+]

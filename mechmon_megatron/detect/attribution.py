@@ -1,0 +1,133 @@
+"""Attribution: from the findings of an alarm to a fault class with its evidence.
+
+The family whose findings have the earliest onset names the fault:
+
+| first family | fault_class     | meaning                                                   |
+| ------------ | --------------- | --------------------------------------------------------- |
+| attn         | attention       | biased low-precision attention / QK drift                 |
+| router       | router_collapse | MoE router collapse (routing entropy, weight similarity)  |
+| global       | global          | loss / grad-norm anomaly with no mechanism signal first    |
+| two or more  | compound        | first onsets within ``compound_window`` steps of each other |
+
+Ties on the onset step count as "within the window" (window 0 = the same onset step). Layer and
+head numbers are parsed from the signal names (``.../layer_<L>[/head_<H>]``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mechmon_megatron.detect.detectors import Finding
+
+__all__ = ["Diagnosis", "FAULT_CLASSES", "DESCRIPTIONS", "diagnose", "parse_location"]
+
+FAULT_CLASSES = {"attn": "attention", "router": "router_collapse", "global": "global"}
+"""Fault class of each family when it fires first and alone."""
+
+DESCRIPTIONS = {
+    "attention": "biased low-precision attention / QK drift",
+    "router_collapse": "MoE router collapse",
+    "global": "loss / grad-norm anomaly without an earlier mechanism signal",
+    "compound": "several mechanisms at once",
+}
+"""Human-readable description of each fault class."""
+
+_FAMILY_ORDER = ("attn", "router", "global")
+_LAYER, _HEAD = re.compile(r"/layer_(\d+)(?:/|$)"), re.compile(r"/head_(\d+)(?:/|$)")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What fired, where, and since when.
+
+    Attributes:
+        fault_class: ``attention``, ``router_collapse``, ``global`` or ``compound``.
+        description: one line naming the mechanism(s), e.g. ``compound: attention +
+            router_collapse``.
+        families: families with findings, ordered by first onset.
+        first_family: family with the earliest onset.
+        onset_step: earliest onset over all findings.
+        alarm_step: latest step over all findings.
+        evidence: one dict per finding, earliest onset first: signal, family, detector, layer,
+            head (None when absent from the name), step, onset_step, value, baseline_location,
+            baseline_scale, score.
+    """
+
+    fault_class: str
+    description: str
+    families: list[str]
+    first_family: str
+    onset_step: int
+    alarm_step: int
+    evidence: list[dict[str, Any]]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields."""
+        return asdict(self)
+
+
+def parse_location(signal: str) -> tuple[int | None, int | None]:
+    """(layer, head) of a signal name; None where the name has no such component."""
+    layer, head = _LAYER.search(signal), _HEAD.search(signal)
+    return (int(layer.group(1)) if layer else None, int(head.group(1)) if head else None)
+
+
+def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis:
+    """Classify an alarm.
+
+    Args:
+        findings: the alarming findings (from one or several steps).
+        compound_window: families whose first onsets lie within this many steps of the first
+            family's make the fault ``compound``.
+
+    Returns:
+        The diagnosis.
+
+    Raises:
+        ValueError: no findings.
+    """
+    findings = sorted(findings, key=lambda f: (f.onset_step, -f.score, f.signal, f.detector))
+    if not findings:
+        raise ValueError("diagnose: no findings")
+    first_onset: dict[str, int] = {}
+    for f in findings:
+        first_onset.setdefault(f.family, f.onset_step)
+    families = sorted(first_onset, key=lambda fam: (first_onset[fam], _FAMILY_ORDER.index(fam)))
+    first = families[0]
+    close = [fam for fam in families if first_onset[fam] - first_onset[first] <= compound_window]
+    if len(close) > 1:
+        fault = "compound"
+        description = "compound: " + " + ".join(FAULT_CLASSES[fam] for fam in close)
+    else:
+        fault = FAULT_CLASSES[first]
+        description = DESCRIPTIONS[fault]
+    evidence = []
+    for f in findings:
+        layer, head = parse_location(f.signal)
+        evidence.append(
+            {
+                "signal": f.signal,
+                "family": f.family,
+                "detector": f.detector,
+                "layer": layer,
+                "head": head,
+                "step": f.step,
+                "onset_step": f.onset_step,
+                "value": f.value,
+                "baseline_location": f.baseline_location,
+                "baseline_scale": f.baseline_scale,
+                "score": f.score,
+            }
+        )
+    return Diagnosis(
+        fault,
+        description,
+        families,
+        first,
+        first_onset[first],
+        max(f.step for f in findings),
+        evidence,
+    )

@@ -1,0 +1,237 @@
+"""The detector bank: one baseline and one detector set per watched signal.
+
+Built once from the config and the model's full, sorted list of signal names (identical on every
+rank), it expands each family's glob patterns over the names, and afterwards consumes the reduced
+signal table of every monitored step::
+
+    bank = DetectorBank(config, names)
+    findings = bank.update(step, table)        # list[Finding], deterministic order
+    diagnosis = bank.diagnosis()               # Diagnosis of the alarming findings, or None
+
+Patterns: ``*`` matches within one path component, ``**`` across components, ``?`` one character
+(``attn/delta2/entropy/layer_*/min`` matches ``.../layer_12/min`` but not ``.../layer_12/head_3``).
+
+Per signal, each sample goes through: non-finite -> counted and skipped (a non-finite loss is a
+``nonfinite`` finding); step < ``start_step`` -> ignored; otherwise every detector sees it, then
+the baseline takes it (a warm-up sample; or, when tracked, a sample that is non-alarming: oriented
+z within the robust-z threshold and no detector latched).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from mechmon_megatron.config import DetectorsConfig, FamilyDetectorConfig, MechMonConfig
+from mechmon_megatron.detect.attribution import Diagnosis, diagnose
+from mechmon_megatron.detect.baseline import Baseline
+from mechmon_megatron.detect.detectors import (
+    Bounds,
+    Cusum,
+    Detector,
+    Finding,
+    LossSpike,
+    NonFinite,
+    RobustZ,
+    ZSpike,
+    orient,
+)
+
+__all__ = ["DetectorBank", "SignalChannel", "compile_pattern"]
+
+LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
+
+
+def compile_pattern(pattern: str) -> re.Pattern:
+    """Regex of a signal glob pattern (see the module docstring)."""
+    parts = re.split(r"(\*\*|\*|\?)", pattern)
+    wild = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
+    return re.compile("".join(wild.get(p, re.escape(p)) for p in parts) + r"\Z")
+
+
+class SignalChannel:
+    """Baseline and detectors of one signal.
+
+    Args:
+        signal: the signal name.
+        family: its family.
+        start_step: samples before this step are ignored (non-finite ones excepted).
+        baseline: shared by the standardizing detectors; None for comparison-only channels.
+        direction: alarm direction of the family detectors.
+        threshold: oriented z above which a sample is alarming (never tracked).
+    """
+
+    def __init__(
+        self,
+        signal: str,
+        family: str,
+        start_step: int,
+        baseline: Baseline | None,
+        direction: str,
+        threshold: float,
+    ) -> None:
+        self.signal, self.family, self.start_step = signal, family, start_step
+        self.baseline, self.direction, self.threshold = baseline, direction, threshold
+        self.detectors: list[Detector] = []
+        self.nonfinite = 0
+
+    def update(self, step: int, value: float) -> list[Finding]:
+        """Feed one sample to every detector, then to the baseline."""
+        finite = math.isfinite(value)
+        if not finite:
+            self.nonfinite += 1
+        elif step < self.start_step:
+            return []
+        findings = [
+            f
+            for d in self.detectors
+            if finite or d.accepts_nonfinite
+            if (f := d.update(step, value)) is not None
+        ]
+        b = self.baseline
+        if finite and b is not None:
+            if not b.ready:
+                b.observe(value)
+            elif orient(b.z(value), self.direction) <= self.threshold and not any(
+                d.latched for d in self.detectors if d.alarm
+            ):
+                b.track(value)
+        return findings
+
+    def reset(self) -> None:
+        """Fresh baseline, detectors re-armed."""
+        if self.baseline is not None:
+            self.baseline.reset()
+        for d in self.detectors:
+            d.reset()
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state."""
+        return {
+            "baseline": None if self.baseline is None else self.baseline.state_dict(),
+            "detectors": {d.name: d.state_dict() for d in self.detectors},
+            "nonfinite": self.nonfinite,
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; detectors absent from ``sd`` start fresh."""
+        if self.baseline is not None and sd["baseline"] is not None:
+            self.baseline.load_state_dict(sd["baseline"])
+        for d in self.detectors:
+            if d.name in sd["detectors"]:
+                d.load_state_dict(sd["detectors"][d.name])
+        self.nonfinite = int(sd["nonfinite"])
+
+
+class DetectorBank:
+    """All channels of a run.
+
+    Args:
+        config: ``detectors`` section (or the whole config).
+        signal_names: every signal name of the model.
+    """
+
+    def __init__(
+        self, config: DetectorsConfig | MechMonConfig, signal_names: Iterable[str]
+    ) -> None:
+        if isinstance(config, MechMonConfig):
+            config = config.detectors
+        self.config = config
+        names = sorted(set(signal_names))
+        self.channels: dict[str, SignalChannel] = {}
+        for family, fam in config.families().items():
+            if not fam.enabled:
+                continue
+            patterns = [compile_pattern(p) for p in fam.signals]
+            for name in names:
+                if name.startswith(family + "/") and any(p.match(name) for p in patterns):
+                    self._family_channel(name, family, fam)
+        if config.global_.enabled and LOSS in names:
+            self._channel(LOSS).detectors.append(NonFinite(LOSS, "global"))
+        cmp = config.baselines
+        if cmp.loss_spike.enabled and LOSS in names:
+            self._channel(LOSS).detectors.append(LossSpike(LOSS, "global", cmp.loss_spike))
+        for name, spec in ((LOSS, cmp.loss_z), (GRAD_NORM, cmp.grad_norm_z)):
+            if spec.enabled and name in names:
+                label = "loss_z" if name == LOSS else "grad_norm_z"
+                self._channel(name).detectors.append(ZSpike(label, name, "global", spec))
+        self.channels = dict(sorted(self.channels.items()))
+        self.alarming: list[Finding] = []
+
+    def _family_channel(self, name: str, family: str, fam: FamilyDetectorConfig) -> None:
+        direction = next(
+            (d for p, d in fam.directions.items() if compile_pattern(p).match(name)),
+            fam.direction,
+        )
+        baseline = Baseline(fam.baseline or self.config.baseline, self.config.warmup_samples)
+        channel = SignalChannel(
+            name, family, self.config.start_step, baseline, direction, fam.robust_z.threshold
+        )
+        if fam.robust_z.enabled:
+            channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
+        if fam.cusum.enabled:
+            channel.detectors.append(Cusum(name, family, baseline, fam.cusum, direction))
+        if fam.bounds.min is not None or fam.bounds.max is not None:
+            channel.detectors.append(Bounds(name, family, baseline, fam.bounds))
+        self.channels[name] = channel
+
+    def _channel(self, name: str) -> SignalChannel:
+        if name not in self.channels:
+            self.channels[name] = SignalChannel(
+                name, "global", self.config.start_step, None, "up", math.inf
+            )
+        return self.channels[name]
+
+    @property
+    def signals(self) -> list[str]:
+        """Watched signal names, sorted."""
+        return list(self.channels)
+
+    def update(self, step: int, signals: Mapping[str, float]) -> list[Finding]:
+        """Feed one monitored step's signal table.
+
+        A watched name absent from ``signals`` is not observed this step and skipped; a NaN or
+        infinite value is counted as non-finite (and, for the loss, is a ``nonfinite`` finding).
+
+        Returns:
+            Findings of this step, ordered by signal name, then detector order.
+        """
+        findings: list[Finding] = []
+        for name, channel in self.channels.items():
+            if name in signals:
+                findings.extend(channel.update(step, float(signals[name])))
+        self.alarming.extend(f for f in findings if f.alarm)
+        return findings
+
+    def diagnosis(self) -> Diagnosis | None:
+        """Diagnosis of every alarming finding since the last reset; None while there is none."""
+        if not self.alarming:
+            return None
+        return diagnose(self.alarming, self.config.compound_window)
+
+    def nonfinite_counts(self) -> dict[str, int]:
+        """Non-finite (skipped) samples per watched signal."""
+        return {name: c.nonfinite for name, c in self.channels.items()}
+
+    def reset(self) -> None:
+        """Re-arm every detector on fresh baselines (after an acknowledged alarm)."""
+        for channel in self.channels.values():
+            channel.reset()
+        self.alarming = []
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able (and torch-saveable) state of every channel and the alarming findings."""
+        return {
+            "channels": {name: c.state_dict() for name, c in self.channels.items()},
+            "alarming": [f.to_dict() for f in self.alarming],
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; channels absent from ``sd`` start fresh, extra ones are
+        ignored (the watched set follows the current config and model)."""
+        for name, channel in self.channels.items():
+            if name in sd["channels"]:
+                channel.load_state_dict(sd["channels"][name])
+        self.alarming = [Finding(**f) for f in sd["alarming"]]

@@ -1,0 +1,96 @@
+"""Per-signal baseline: a robust location and scale formed over the warm-up samples.
+
+Warm-up: the first ``warmup_samples`` finite values of the signal. Then
+
+    median_mad:  location = median(x),  scale = 1.4826 * median(|x - location|)
+    ewma:        location = mean(x),    scale = std(x)   (sample standard deviation)
+
+and the scale is floored, ``scale >= max(min_rel_scale * |location|, min_abs_scale)``, so a
+signal that is constant over warm-up (zero MAD) does not turn every later wiggle into a huge z.
+1.4826 = 1 / Phi^-1(3/4) makes the MAD a consistent estimate of a Gaussian standard deviation.
+
+``frozen`` keeps the warm-up values. ``tracked`` moves them by every sample the caller judges
+non-alarming, at rate r:
+
+    location += r * (x - location)
+    scale    += r * (sqrt(pi / 2) * |x - location_old| - scale)
+
+sqrt(pi / 2) * E|x - mu| = sigma for a Gaussian, so the scale stays a standard-deviation unit.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+from mechmon_megatron.config import BaselineConfig
+
+__all__ = ["Baseline", "MAD_TO_SIGMA"]
+
+MAD_TO_SIGMA = 1.4826
+"""1 / Phi^-1(3/4): MAD of a Gaussian times this is its standard deviation."""
+
+
+class Baseline:
+    """Location/scale of one signal.
+
+    Args:
+        config: method, mode, track rate and scale floors.
+        warmup_samples: finite samples forming the baseline.
+    """
+
+    def __init__(self, config: BaselineConfig, warmup_samples: int) -> None:
+        self.config = config
+        self.warmup_samples = warmup_samples
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything; the next ``warmup_samples`` values form a fresh baseline."""
+        self.window: list[float] = []
+        self.location = math.nan
+        self.scale = math.nan
+
+    @property
+    def ready(self) -> bool:
+        """True once the warm-up window is complete."""
+        return not math.isnan(self.location)
+
+    def observe(self, value: float) -> None:
+        """Add a warm-up sample; the baseline forms on the last one."""
+        assert not self.ready and math.isfinite(value)
+        self.window.append(value)
+        if len(self.window) < self.warmup_samples:
+            return
+        if self.config.method == "median_mad":
+            loc = statistics.median(self.window)
+            scale = MAD_TO_SIGMA * statistics.median(abs(v - loc) for v in self.window)
+        else:
+            loc, scale = statistics.fmean(self.window), statistics.stdev(self.window)
+        self.location, self.scale = loc, self._floor(scale, loc)
+        self.window = []
+
+    def track(self, value: float) -> None:
+        """Move toward a non-alarming sample (``mode: tracked`` only)."""
+        if self.config.mode != "tracked":
+            return
+        rate, dev = self.config.track_rate, abs(value - self.location)
+        self.location += rate * (value - self.location)
+        scale = self.scale + rate * (math.sqrt(math.pi / 2) * dev - self.scale)
+        self.scale = self._floor(scale, self.location)
+
+    def z(self, value: float) -> float:
+        """Standardized value (x - location) / scale."""
+        return (value - self.location) / self.scale
+
+    def _floor(self, scale: float, location: float) -> float:
+        return max(scale, self.config.min_rel_scale * abs(location), self.config.min_abs_scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state."""
+        return {"window": list(self.window), "location": self.location, "scale": self.scale}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` exactly."""
+        self.window = [float(v) for v in sd["window"]]
+        self.location, self.scale = float(sd["location"]), float(sd["scale"])

@@ -1,0 +1,112 @@
+"""Attribution of crafted finding sets to a fault class with evidence."""
+
+from __future__ import annotations
+
+import pytest
+
+from mechmon_megatron.config import load_config
+from mechmon_megatron.detect import DetectorBank, Finding, diagnose, parse_location
+
+
+def _finding(
+    signal: str, onset: int, step: int | None = None, score: float = 6.0, detector: str = "cusum"
+) -> Finding:
+    family = signal.split("/", 1)[0]
+    return Finding(
+        detector,
+        signal,
+        family,
+        step if step is not None else onset + 300,
+        onset,
+        1.0,
+        2.0,
+        0.1,
+        score,
+    )
+
+
+ATTN = "attn/delta2/entropy/layer_7/head_3"
+ROUTER = "router/entropy_mean/layer_4"
+LOSS = "global/loss"
+
+
+def test_attention_first_is_an_attention_fault_even_if_loss_follows():
+    d = diagnose([_finding(LOSS, 900), _finding(ATTN, 500)])
+    assert (d.fault_class, d.first_family, d.families) == ("attention", "attn", ["attn", "global"])
+    assert d.description == "biased low-precision attention / QK drift"
+    assert (d.onset_step, d.alarm_step) == (500, 1200)
+
+
+def test_router_first_is_router_collapse():
+    d = diagnose([_finding(ROUTER, 200), _finding(ATTN, 400)])
+    assert d.fault_class == "router_collapse" and d.first_family == "router"
+
+
+def test_global_only_is_a_global_fault():
+    d = diagnose([_finding(LOSS, 100, detector="nonfinite", score=float("inf"))])
+    assert (d.fault_class, d.families) == ("global", ["global"])
+
+
+def test_two_families_at_the_same_onset_are_compound_naming_both():
+    d = diagnose([_finding(ROUTER, 300), _finding(ATTN, 300)])
+    assert d.fault_class == "compound" and d.families == ["attn", "router"]
+    assert d.description == "compound: attention + router_collapse"
+
+
+def test_compound_window_widens_what_counts_as_together():
+    findings = [_finding(ATTN, 300), _finding(ROUTER, 500), _finding(LOSS, 2000)]
+    assert diagnose(findings).fault_class == "attention"
+    wide = diagnose(findings, compound_window=200)
+    assert wide.fault_class == "compound" and wide.description.endswith("+ router_collapse")
+
+
+def test_evidence_is_ordered_by_onset_then_score_and_names_layer_and_head():
+    d = diagnose(
+        [
+            _finding(LOSS, 900),
+            _finding(ATTN, 500, score=7.0),
+            _finding("attn/dwq/entropy/layer_2/min", 500, score=9.0),
+        ]
+    )
+    assert [e["signal"] for e in d.evidence] == ["attn/dwq/entropy/layer_2/min", ATTN, LOSS]
+    assert [(e["layer"], e["head"]) for e in d.evidence] == [(2, None), (7, 3), (None, None)]
+    first = d.evidence[0]
+    assert (first["baseline_location"], first["baseline_scale"], first["value"]) == (2.0, 0.1, 1.0)
+    assert d.to_dict()["evidence"] == d.evidence
+
+
+@pytest.mark.parametrize(
+    ("signal", "expected"),
+    [
+        ("attn/layer_delta2/entropy/layer_12", (12, None)),
+        ("attn/delta3/fro/layer_1/head_15", (1, 15)),
+        ("router/maxvio/layer_30", (30, None)),
+        ("global/grad_norm", (None, None)),
+    ],
+)
+def test_layer_and_head_are_parsed_from_signal_names(signal, expected):
+    assert parse_location(signal) == expected
+
+
+def test_no_findings_is_an_error():
+    with pytest.raises(ValueError, match="no findings"):
+        diagnose([])
+
+
+def test_bank_diagnosis_uses_alarming_findings_only_and_the_configured_window():
+    config = load_config(
+        {
+            "detectors": {
+                "compound_window": 10_000,
+                "attn": {"bounds": {"max": 10.0}},
+                "router": {"bounds": {"max": 10.0}},
+            }
+        }
+    )
+    bank = DetectorBank(config, [ATTN.replace("head_3", "min"), ROUTER, LOSS])
+    bank.update(0, {LOSS: 2.0})
+    assert bank.diagnosis() is None
+    bank.update(100, {ATTN.replace("head_3", "min"): 11.0})
+    assert bank.diagnosis().fault_class == "attention"
+    bank.update(200, {ROUTER: 11.0})
+    assert bank.diagnosis().fault_class == "compound"

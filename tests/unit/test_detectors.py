@@ -1,0 +1,229 @@
+"""Detectors on crafted series: false alarms, detection delay, onset, persistence, state."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.detect import DetectorBank, compile_pattern
+from mechmon_megatron.detect.baseline import Baseline
+
+ATTN = "attn/delta2/entropy/layer_3/min"
+COS = "router/weight_cosine/layer_2"
+LOSS, GRAD = "global/loss", "global/grad_norm"
+INTERVAL = 100
+
+
+def _run(bank: DetectorBank, values, signal=ATTN, start=0):
+    """Feed values at steps start, start + INTERVAL, ...; return [(step, findings)]."""
+    out = []
+    for i, v in enumerate(values):
+        step = start + i * INTERVAL
+        found = bank.update(step, {signal: v})
+        if found:
+            out.append((step, found))
+    return out
+
+
+def _noise(seed: int, n: int, shift: float = 0.0, change: int | None = None):
+    rng = random.Random(seed)
+    return [
+        5.0 + rng.gauss(0, 1) + (shift if change is not None and i >= change else 0.0)
+        for i in range(n)
+    ]
+
+
+def test_no_alarm_on_twenty_thousand_samples_of_gaussian_noise():
+    bank = DetectorBank(MechMonConfig.defaults(), [ATTN, COS])
+    rng = random.Random(7)
+    for i in range(20_000):
+        found = bank.update(i, {ATTN: 5 + rng.gauss(0, 1), COS: 0.3 + 0.01 * rng.gauss(0, 1)})
+        assert not found, found
+
+
+@pytest.mark.parametrize("shift", [3.0, 4.0])
+def test_step_change_of_three_to_four_scales_is_detected_within_a_few_samples(shift):
+    change, delays, onset_errors = 200, [], []
+    for seed in range(20):
+        bank = DetectorBank(MechMonConfig.defaults(), [ATTN])
+        found = _run(bank, _noise(seed, 400, -shift, change))
+        assert found and found[0][0] >= change * INTERVAL, (seed, found)
+        step, findings = found[0]
+        delays.append(step // INTERVAL - change)
+        onset_errors.append(findings[0].onset_step // INTERVAL - change)
+    assert max(delays) <= (16 if shift == 3.0 else 10)
+    assert sorted(delays)[10] <= (8 if shift == 3.0 else 5)
+    assert max(abs(e) for e in onset_errors) <= 2
+
+
+def test_cusum_onset_is_the_sample_where_the_sum_left_zero():
+    config = load_config({"detectors": {"attn": {"robust_z": {"enabled": False}}}})
+    bank = DetectorBank(config, [ATTN])
+    values = [5.0 + (0.1 if i % 2 else -0.1) for i in range(20)] + [5.0] * 10 + [4.0] * 20
+    (step, (finding,)), *_ = _run(bank, values)
+    assert finding.detector == "cusum" and finding.onset_step == 30 * INTERVAL
+    assert step > finding.onset_step and finding.score > 12.0
+
+
+def test_single_outlier_does_not_fire_but_three_of_four_do():
+    bank = DetectorBank(load_config({"detectors": {"attn": {"cusum": {"enabled": False}}}}), [ATTN])
+    base = _noise(1, 20)
+    assert not _run(bank, base + [5, 5, -50, 5, 5, 5, -50, 5, 5])
+    found = _run(bank, [-50, 5, -50, -50], start=30 * INTERVAL)
+    ((step, (finding,)),) = found
+    assert finding.detector == "robust_z" and finding.onset_step == 30 * INTERVAL
+    assert step == 33 * INTERVAL and finding.score > 5.0
+
+
+def test_down_direction_ignores_an_upward_shift_and_both_catches_it():
+    assert not _run(DetectorBank(MechMonConfig.defaults(), [ATTN]), _noise(2, 100, 8.0, 50))
+    both = load_config({"detectors": {"attn": {"direction": "both"}}})
+    assert _run(DetectorBank(both, [ATTN]), _noise(2, 100, 8.0, 50))
+
+
+def test_per_pattern_direction_override_applies():
+    bank = DetectorBank(MechMonConfig.defaults(), ["router/entropy_mean/layer_1", COS])
+    directions = {n: c.direction for n, c in bank.channels.items()}
+    assert directions == {"router/entropy_mean/layer_1": "down", COS: "up"}
+
+
+def test_zero_mad_warmup_is_floored_relative_to_the_location():
+    bank = DetectorBank(MechMonConfig.defaults(), [ATTN])
+    assert not _run(bank, [5.0] * 20 + [4.999] * 30)
+    baseline = bank.channels[ATTN].baseline
+    assert baseline.scale == pytest.approx(0.005)
+    assert _run(bank, [4.9] * 5, start=50 * INTERVAL)
+
+
+def test_nan_is_skipped_and_counted_but_a_nan_loss_after_a_finite_one_is_a_finding():
+    bank = DetectorBank(MechMonConfig.defaults(), [ATTN, LOSS, GRAD])
+    assert bank.update(0, {ATTN: math.nan, GRAD: math.inf}) == []
+    assert bank.nonfinite_counts() == {ATTN: 1, GRAD: 1, LOSS: 0}
+    assert bank.update(1, {LOSS: 3.0, ATTN: 5.0}) == []
+    (finding,) = bank.update(2, {LOSS: math.nan, ATTN: 5.0})
+    assert (finding.detector, finding.family, finding.step, finding.alarm) == (
+        "nonfinite",
+        "global",
+        2,
+        True,
+    )
+    assert bank.nonfinite_counts()[LOSS] == 1
+    assert bank.diagnosis().fault_class == "global"
+
+
+def test_bounds_fire_from_the_first_sample():
+    config = load_config({"detectors": {"attn": {"bounds": {"min": 1.0}}}})
+    ((step, (finding,)),) = _run(DetectorBank(config, [ATTN]), [5.0, 0.5])
+    assert (finding.detector, step, finding.score) == ("bounds", INTERVAL, 0.5)
+
+
+def test_megatron_spiky_loss_rule_uses_the_max_of_the_first_samples_and_only_logs():
+    bank = DetectorBank(MechMonConfig.defaults(), [LOSS])
+    losses = [10.0 - 0.05 * i for i in range(100)] + [2.0] * 50 + [99.0, 100.0]
+    found = _run(bank, losses, signal=LOSS)
+    spikes = [f for _, fs in found for f in fs if f.detector == "loss_spike"]
+    assert len(spikes) == 1 and spikes[0].step == 151 * INTERVAL and not spikes[0].alarm
+    assert spikes[0].baseline_location == 10.0 and spikes[0].score == 10.0
+
+
+def test_z_spike_comparison_rule_fires_on_a_grad_norm_spike_without_alarm():
+    bank = DetectorBank(MechMonConfig.defaults(), [GRAD])
+    found = _run(bank, _noise(3, 150) + [40.0], signal=GRAD)
+    names = {f.detector: f for _, fs in found for f in fs}
+    assert names["grad_norm_z"].step == 150 * INTERVAL and not names["grad_norm_z"].alarm
+    assert bank.diagnosis() is None or "grad_norm_z" not in {
+        e["detector"] for e in bank.diagnosis().evidence
+    }
+
+
+def test_tracked_baseline_follows_slow_drift_that_a_frozen_one_flags():
+    drift = [5.0 + i * 0.002 + 0.01 * math.sin(i) for i in range(3000)]
+    tracked = load_config(
+        {
+            "detectors": {
+                "attn": {"direction": "up", "baseline": {"mode": "tracked", "track_rate": 0.05}}
+            }
+        }
+    )
+    frozen = load_config({"detectors": {"attn": {"direction": "up"}}})
+    assert not _run(DetectorBank(tracked, [ATTN]), drift)
+    assert _run(DetectorBank(frozen, [ATTN]), drift)
+
+
+def test_samples_before_start_step_are_ignored():
+    config = load_config({"detectors": {"start_step": 1000}})
+    bank = DetectorBank(config, [ATTN])
+    _run(bank, [1e6] * 10)
+    assert not bank.channels[ATTN].baseline.window
+
+
+def test_state_round_trip_through_json_gives_identical_findings():
+    names = [ATTN, COS, LOSS, GRAD]
+    rng = random.Random(11)
+    tables = [
+        {
+            ATTN: 5 + rng.gauss(0, 1) - (6 if i > 130 else 0),
+            COS: rng.random(),
+            LOSS: 3 + rng.gauss(0, 0.1),
+            GRAD: 1 + abs(rng.gauss(0, 1)),
+        }
+        for i in range(200)
+    ]
+    config = MechMonConfig.defaults()
+    ref, first = DetectorBank(config, names), DetectorBank(config, names)
+    ref_findings = [ref.update(i, t) for i, t in enumerate(tables)]
+    for i, t in enumerate(tables[:125]):
+        first.update(i, t)
+    resumed = DetectorBank(config, names)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert resumed.state_dict() == first.state_dict()
+    assert [resumed.update(i, t) for i, t in enumerate(tables) if i >= 125] == ref_findings[125:]
+    assert any(ref_findings[125:]) and resumed.diagnosis() == ref.diagnosis()
+
+
+def test_reset_rearms_on_a_fresh_baseline():
+    bank = DetectorBank(MechMonConfig.defaults(), [ATTN])
+    assert _run(bank, _noise(4, 40, -10, 25))
+    assert bank.diagnosis() is not None
+    bank.reset()
+    assert bank.diagnosis() is None and not bank.channels[ATTN].baseline.ready
+    assert not _run(bank, _noise(5, 60, -10))
+    assert _run(bank, _noise(6, 30, -20, 25), start=10_000)
+
+
+def test_glob_star_stays_within_one_component_and_double_star_crosses():
+    star = compile_pattern("attn/delta2/entropy/layer_*/min")
+    assert star.match("attn/delta2/entropy/layer_12/min")
+    assert not star.match("attn/delta2/entropy/layer_1/head_2/min")
+    assert not star.match("attn/delta2/entropy/layer_1/minimum")
+    assert compile_pattern("attn/**/min").match("attn/delta2/entropy/layer_1/min")
+
+
+def test_bank_watches_only_matched_names_in_sorted_order():
+    names = [
+        "attn/delta2/entropy/layer_2/min",
+        "attn/delta2/entropy/layer_10/min",
+        "attn/delta2/entropy/layer_2/head_0",
+        "attn/delta2/fro/layer_2/min",
+        LOSS,
+    ]
+    bank = DetectorBank(MechMonConfig.defaults(), names)
+    assert bank.signals == sorted(names[:2] + [LOSS])
+
+
+def test_baseline_methods_estimate_location_and_scale():
+    cfg = MechMonConfig.defaults().detectors.baseline
+    values = [float(v) for v in range(1, 22)]
+    mad = Baseline(cfg, 21)
+    ewma = Baseline(
+        load_config({"detectors": {"baseline": {"method": "ewma"}}}).detectors.baseline, 21
+    )
+    for v in values:
+        mad.observe(v)
+        ewma.observe(v)
+    assert (mad.location, mad.scale) == (11.0, pytest.approx(1.4826 * 5))
+    assert ewma.location == 11.0 and ewma.scale == pytest.approx(6.2048368)

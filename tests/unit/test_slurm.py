@@ -1,4 +1,4 @@
-"""SLURM templates: syntax, shellcheck, the dry run, and what happens after each kind of exit.
+"""SLURM templates and launch scripts: syntax, shellcheck, the dry run, what follows each exit.
 
 The real path runs with stand-in ``srun``/``scontrol`` executables on PATH: ``srun`` runs a
 scenario (exit with a code, write an alarm file, wait for SIGTERM), ``scontrol`` records its
@@ -19,7 +19,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "slurm"
-SCRIPTS = [SLURM / "common.sh", SLURM / "megatron_lm.sbatch", SLURM / "deepspeed.sbatch"]
+SCRIPTS = [SLURM / "common.sh", SLURM / "megatron_lm.sbatch", SLURM / "deepspeed.sbatch",
+           REPO / "launch" / "megatron_pretrain_gpt.sh",
+           REPO / "scripts" / "gpu_megatron_lm_check.sh"]
 SBATCH = {"megatron": SLURM / "megatron_lm.sbatch", "deepspeed": SLURM / "deepspeed.sbatch"}
 
 
@@ -236,3 +238,21 @@ def test_preemption_forwards_sigterm_to_srun_and_requeues(job, sig):
     assert proc.returncode == 0, out
     assert "srun got TERM" in calls and _requeued(calls), (out, calls)
     assert "outcome preempted" in out
+
+
+def test_the_single_node_launcher_reports_an_alarm_behind_torchruns_exit_code_1(tmp_path):
+    torchrun = tmp_path / "torchrun"
+    torchrun.write_text('#!/bin/bash\necho "torchrun $*" > "$FAKE_LOG"\n'
+                        'printf \'%s\' "$FAKE_ALARM" > "$CHECKPOINT_DIR/mechmon_alarm.json"\n'
+                        'exit 1\n')
+    torchrun.chmod(0o755)
+    env = _clean_env(TORCHRUN=str(torchrun), FAKE_LOG=str(tmp_path / "log"),
+                     FAKE_ALARM=json.dumps(ALARM), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+                     MEGATRON_LM_PATH="/m", MECHMON_CONFIG="/c.yaml", GPUS_PER_NODE="2")
+    proc = subprocess.run(["bash", str(REPO / "launch" / "megatron_pretrain_gpt.sh"), "--bf16"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 86, proc.stdout + proc.stderr
+    assert "fault_class: attention_entropy_collapse" in proc.stdout
+    cmd = (tmp_path / "log").read_text()
+    assert "--nproc-per-node=2 -m mechmon_megatron.launch.megatron /m/pretrain_gpt.py" in cmd
+    assert "--mechmon-config /c.yaml --bf16 --save" in cmd

@@ -143,6 +143,8 @@ class Alarm:
     """Process exit code requested by ``checkpoint_and_exit``."""
     action: str
     """``actions.on_alarm`` when it was raised: log, warn or checkpoint_and_exit."""
+    description: str = ""
+    """One line naming the mechanism(s), from the diagnosis."""
     checkpoint_before_onset: dict[str, Any] | None = None
     """``{"step", "path"}`` of the last checkpoint saved before ``onset_step``, if any."""
     alarm_checkpoint: str | None = None
@@ -173,7 +175,8 @@ class Alarm:
         first = self.evidence[0] if self.evidence else {}
         lead = f" first evidence: {first.get('signal', first)};" if first else ""
         return (
-            f"mechmon alarm {self.alarm_id}: {self.fault_class} (families {self.families}), "
+            f"mechmon alarm {self.alarm_id}: {self.description or self.fault_class} "
+            f"(families {self.families}), "
             f"onset step {self.onset_step}, alarm step {self.alarm_step};{lead} "
             f"last checkpoint before onset: {where}; acknowledge with "
             f"actions.acknowledge: {self.alarm_id}"
@@ -238,12 +241,14 @@ def share_diagnosis(
     the same on every rank). ``diagnosis`` may be ``None`` on ranks that did not trip.
 
     Returns:
-        ``{"fault_class", "families", "first_family", "evidence"}`` from the source rank.
+        ``{"fault_class", "description", "families", "first_family", "evidence"}`` from the
+        source rank.
     """
     local = None
     if diagnosis is not None:
         local = {
             "fault_class": str(getattr(diagnosis, "fault_class", "unknown")),
+            "description": str(getattr(diagnosis, "description", "")),
             "families": jsonable(list(getattr(diagnosis, "families", []) or [])),
             "first_family": getattr(diagnosis, "first_family", None),
             "evidence": [e if isinstance(e, dict) else {"finding": e}

@@ -379,6 +379,7 @@ class MechMon:
             config_hash=self.config_hash,
             exit_code=int(self.config.actions.exit_code),
             action=str(self.config.actions.on_alarm),
+            description=shared["description"],
             checkpoint_before_onset={"step": before[-1][0], "path": before[-1][1]} if before
             else None,
         )

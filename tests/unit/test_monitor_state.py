@@ -2,8 +2,8 @@
 
 ``SyntheticMonitor`` is a deterministic signal generator that follows the Monitor protocol: per
 layer an attention entropy near 3.0 with small seeded noise that drops by 0.5 at each fault step
-(a level shift the default attn detectors see). ``FirstAlarm`` puts a minimal diagnosis on top of
-the real detector bank. Both are reused by the distributed tests.
+(a level shift the default attn detectors see). ``SilentBank`` keeps a rank from tripping. Both
+are reused by the distributed tests.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import json
 import math
 import os
 import random
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -61,35 +60,11 @@ class SyntheticMonitor:
         self.observed = sd["observed"]
 
 
-class FirstAlarm:
-    """Detectors protocol: the real bank, diagnosed as the first alarming finding."""
+class SilentBank(DetectorBank):
+    """The real detector bank whose alarms never reach consensus from this rank."""
 
-    def __init__(self, bank: DetectorBank, trip: bool = True) -> None:
-        self.bank, self.trip, self.first = bank, trip, None
-
-    def update(self, step: int, table: dict[str, float]) -> list:
-        findings = self.bank.update(step, table)
-        alarms = [f for f in findings if f.alarm]
-        if alarms and self.trip and self.first is None:
-            self.first = {"fault_class": "attention_update", "families": ["attn"],
-                          "first_family": alarms[0].family, "onset_step": min(
-                              f.onset_step for f in alarms),
-                          "alarm_step": step, "evidence": [f.to_dict() for f in alarms]}
-        return findings
-
-    def diagnosis(self) -> SimpleNamespace | None:
-        return SimpleNamespace(**self.first) if self.first is not None else None
-
-    def reset(self) -> None:
-        self.bank.reset()
-        self.first = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"bank": self.bank.state_dict(), "first": self.first}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.bank.load_state_dict(sd["bank"])
-        self.first = sd["first"]
+    def diagnosis(self) -> None:
+        return None
 
 
 class SavingFramework:
@@ -123,7 +98,7 @@ def make_mon(cfg: MechMonConfig, faults: tuple[int, ...] = (), framework=None, s
     monitor = SyntheticMonitor(faults=faults)
     names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
     mon = MechMon(cfg).attach([monitor], actions=framework, sinks=list(sinks),
-                              detectors=FirstAlarm(DetectorBank(cfg, names), trip=trip))
+                              detectors=None if trip else SilentBank(cfg, names))
     if framework is not None:
         framework.mon = mon
     return mon
@@ -145,7 +120,7 @@ def test_monitored_steps_follow_the_gcd_of_the_monitor_intervals(tmp_path) -> No
     cfg = make_config(tmp_path)
     a, b = SyntheticMonitor(interval=4), SyntheticMonitor(interval=6)
     b.family = "router"
-    mon = MechMon(cfg).attach([a, b], sinks=[], detectors=FirstAlarm(DetectorBank(cfg, [])))
+    mon = MechMon(cfg).attach([a, b], sinks=[])
     assert mon.interval == 2
     assert [s for s in range(13) if mon.is_monitored(s)] == [0, 2, 4, 6, 8, 10, 12]
 
@@ -170,6 +145,17 @@ def test_state_dict_resume_gives_the_same_signals_and_alarm_as_a_straight_run(tm
     assert n < alarms[0].alarm_step < 2 * n and alarms[0].onset_step >= 70
     for field in ("alarm_id", "alarm_step", "onset_step", "evidence", "config_hash"):
         assert getattr(again[0], field) == getattr(alarms[0], field)
+
+
+def test_the_default_detector_bank_raises_an_attention_alarm_after_the_fault(tmp_path) -> None:
+    cfg = make_config(tmp_path)
+    mon = MechMon(cfg).attach([SyntheticMonitor(faults=(70,))], sinks=[])
+    alarms = [v.alarm for v in run(mon, range(1, 101)) if v.alarm is not None]
+    assert len(alarms) == 1 and mon.errors == 0
+    assert alarms[0].fault_class == "attention" and alarms[0].first_family == "attn"
+    assert 70 <= alarms[0].onset_step <= alarms[0].alarm_step < 100
+    assert alarms[0].evidence[0]["signal"].startswith("attn/delta2/entropy/")
+    assert alarms[0].description
 
 
 def test_alarm_saves_state_writes_the_file_beside_the_checkpoint_and_exits(tmp_path) -> None:
@@ -227,7 +213,7 @@ def test_acknowledged_resume_rearms_on_fresh_baselines(tmp_path, caplog) -> None
     assert verdict.alarm is None and not verdict.exit_requested and framework.calls == []
     assert mon.alarm is None and mon.acknowledged[0]["alarm_id"] == aid
     assert "acknowledged" in caplog.text
-    assert all(not c.baseline.ready for c in mon.detectors.bank.channels.values()
+    assert all(not c.baseline.ready for c in mon.detectors.channels.values()
                if c.baseline is not None)
     later = [v for v in run(mon, range(step + 1, 201)) if v.alarm is not None]
     assert len(later) == 1 and later[0].alarm.alarm_step > 160
@@ -245,8 +231,7 @@ def test_state_loaded_before_attach_is_applied_at_attach(tmp_path) -> None:
     fresh = MechMon(make_config(tmp_path))
     fresh.load_state_dict(mon.state_dict())
     monitor = SyntheticMonitor()
-    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
-    fresh.attach([monitor], sinks=[], detectors=FirstAlarm(DetectorBank(fresh.config, names)))
+    fresh.attach([monitor], sinks=[])
     assert fresh.last_step == 10 and fresh.monitored_steps == 5 and monitor.observed == 5
 
 
@@ -259,11 +244,8 @@ def test_monitor_errors_are_counted_and_never_raised(tmp_path) -> None:
             return {"found": 2, "observed": 0, "skipped": 2, "errors": 1}
 
     cfg = make_config(tmp_path)
-    monitor = Broken()
-    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
     sink = JsonlSink(tmp_path / "m.jsonl")
-    mon = MechMon(cfg).attach([monitor], sinks=[sink],
-                              detectors=FirstAlarm(DetectorBank(cfg, names)))
+    mon = MechMon(cfg).attach([Broken()], sinks=[sink])
     with pytest.warns(RuntimeWarning, match="shard vanished"):
         verdicts = run(mon, range(1, 5))
     assert [v.monitored for v in verdicts] == [False, True, False, True]
@@ -281,10 +263,7 @@ def test_undeclared_signals_are_dropped_and_counted(tmp_path) -> None:
             return {**super().end_step(step), "attn/bogus/x": 1.0}
 
     cfg = make_config(tmp_path)
-    monitor = Extra()
-    names = sorted(set(monitor.signal_names()) | set(GLOBAL_SIGNALS))
-    mon = MechMon(cfg).attach([monitor], sinks=[],
-                              detectors=FirstAlarm(DetectorBank(cfg, names)))
+    mon = MechMon(cfg).attach([Extra()], sinks=[])
     with pytest.warns(RuntimeWarning, match="undeclared"):
         verdict = run(mon, range(2, 3))[0]
     assert "attn/bogus/x" not in verdict.signals and mon.errors == 1

@@ -1,0 +1,1 @@
+"""Stateful readers that turn model state into local signals (see ``monitors/base.py``)."""

@@ -1,0 +1,53 @@
+"""The protocol every monitor follows (contract: docs/architecture.md).
+
+A monitor reads tensors on its monitored steps and returns this rank's signals; the orchestrator
+reduces them once over the world (:func:`mechmon_megatron.signals.reduce_signals`), so a monitor
+never reduces signals itself. It never raises inside a training step: errors are caught, counted
+in :meth:`Monitor.coverage`, warned once, and the affected signals are NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Monitor", "COVERAGE_KEYS"]
+
+COVERAGE_KEYS = ("found", "observed", "skipped", "errors")
+"""Keys of :meth:`Monitor.coverage`."""
+
+
+@runtime_checkable
+class Monitor(Protocol):
+    """A source of named signals ``<family>/<signal>/<stat>[/layer_<L>[/head_<H>]]``.
+
+    Attributes:
+        family: ``attn``, ``router`` or ``global``.
+        interval: monitored steps are ``step % interval == 0`` (the orchestrator takes the gcd).
+    """
+
+    family: str
+    interval: int
+
+    def signal_names(self) -> list[str]:
+        """Every signal this monitor can emit on any rank; global, identical on every rank."""
+        ...
+
+    def begin_step(self, step: int) -> None:
+        """Before forward/backward of ``step``."""
+        ...
+
+    def end_step(self, step: int) -> dict[str, float]:
+        """After the optimizer step of ``step`` (``step`` counts applied updates); local signals."""
+        ...
+
+    def coverage(self) -> dict[str, int]:
+        """Counters ``found``, ``observed``, ``skipped``, ``errors`` of this rank."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resumed run needs (torch.save-able)."""
+        ...
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output."""
+        ...

@@ -1,0 +1,395 @@
+"""QK-update monitor: spectra of the bilinear-form update of every attention head and layer.
+
+Every ``interval`` steps (``step % interval == 0``, from ``warmup_steps`` on) each source's local
+query/key rows ``W(t)`` are read and compared with the snapshot ``W(t - delta)`` of the previous
+monitored step (``delta = interval``; the actual gap is used, with a warning, if it differs).
+Per head the exact spectra come from :mod:`mechmon_megatron.math.spectra`; per layer a randomized
+sketch (:mod:`mechmon_megatron.math.sketch`) covers all heads, its operator calls all-reduced over
+``source.sketch_group`` (the TP ranks holding the layer's disjoint heads).
+
+Signals (L = global 1-based layer, H = global query head; docs/architecture.md):
+
+=================================================  ==============================================
+``attn/<term>/<metric>/layer_L/head_H``            per head (``per_head``); term in ``terms``,
+                                                   metric in fro, stable_rank, entropy, eff_rank,
+                                                   norm_entropy (alpha-spectral, exact)
+``attn/<term>/<metric>/layer_L/{mean,min,max}``    over the layer's heads; emitted by a rank that
+                                                   owns all heads, else derived after the
+                                                   reduction with :func:`layer_stats`
+``attn/layer_<term>/<metric>/layer_L``             sketch of all heads; term in delta2, dwq, dwk
+                                                   (those in ``terms``), metric in entropy,
+                                                   entropy_lo, entropy_hi, sigma1, fro,
+                                                   stable_rank (alpha = 2)
+=================================================  ==============================================
+
+``dwk`` of a GQA query head is its key group's value. A zero update (frozen layer) gives ``fro = 0``
+and NaN shape metrics, non-finite weights NaN everywhere: defined values plus a one-time warning.
+With ``snapshot_dtype = bf16`` both ``W(t)`` and the snapshot are rounded to bf16 before the
+difference (the update the bf16 model weights saw). With ``per_head = False`` and a layer split
+over ranks, ``mean`` is still exact (TP splits heads evenly) but ``min``/``max`` are NaN (warned).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.math.sketch import SketchResult, subspace_iteration
+from mechmon_megatron.math.spectra import (
+    METRICS,
+    qk_grams,
+    qk_spectra,
+    spectral_metrics,
+    term_rank_bound,
+)
+
+__all__ = ["QKSource", "QKUpdateMonitor", "layer_stats", "LAYER_TERMS", "LAYER_METRICS"]
+
+LAYER_TERMS = ("delta2", "dwq", "dwk")
+"""Terms with a layer-level sketch."""
+LAYER_METRICS = ("entropy", "entropy_lo", "entropy_hi", "sigma1", "fro", "stable_rank")
+"""Metrics of a layer-level sketch."""
+STATS = ("mean", "min", "max")
+_HEAD_RE = re.compile(r"^(attn/[^/]+/[^/]+/layer_\d+)/head_\d+$")
+
+
+@dataclass
+class QKSource:
+    """One attention layer's local shard, built by an integration.
+
+    Attributes:
+        layer: global 1-based layer number.
+        name: module name (for messages).
+        num_heads: global number of query heads of the layer.
+        head_index: ``[H_loc]`` long, global index of each local query head.
+        group_index: ``[H_loc]`` long, local kv-group index (row of ``wk_GKD``) of each local head.
+        read: ``() -> (wq_HKD, wk_GKD)`` fp32 rows (qk-layernorm gamma folded); may be collective.
+        sketch_group: ranks holding disjoint heads of this layer (TP group); None = world.
+        num_groups: global kv groups; None infers ``num_heads * G_loc / H_loc`` (right when every
+            rank holds whole groups, i.e. not when groups are replicated because ng < tp).
+    """
+
+    layer: int
+    name: str
+    num_heads: int
+    head_index: torch.Tensor
+    group_index: torch.Tensor
+    read: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    sketch_group: comm.Group = None
+    num_groups: int | None = None
+
+
+def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
+    """Per-layer mean/min/max over heads from per-head signals of a (reduced) table.
+
+    ``attn/<term>/<metric>/layer_L/head_H`` -> ``attn/<term>/<metric>/layer_L/{mean,min,max}``
+    over the finite head values (NaN when none is finite). Pure; identical on every rank.
+    """
+    groups: dict[str, list[float]] = {}
+    for name, value in table.items():
+        match = _HEAD_RE.match(name)
+        if match:
+            groups.setdefault(match.group(1), []).append(float(value))
+    out: dict[str, float] = {}
+    for prefix, values in groups.items():
+        finite = [v for v in values if math.isfinite(v)]
+        out[f"{prefix}/mean"] = sum(finite) / len(finite) if finite else math.nan
+        out[f"{prefix}/min"] = min(finite) if finite else math.nan
+        out[f"{prefix}/max"] = max(finite) if finite else math.nan
+    return out
+
+
+class QKUpdateMonitor:
+    """Monitor of ``W_Q W_K^T`` updates (see the module docstring for its signals).
+
+    Args:
+        config: ``QKConfig`` or any object with its attributes (interval, warmup_steps, layers,
+            terms, per_head, snapshot_dtype, offload_snapshots, alpha, layer_sketch.{enabled,
+            rank, oversample, power_iters, seed}).
+        sources: this rank's layers, in the same order on every rank of a sketch group.
+        all_layers: ``{layer: num_heads}`` of the whole model (other pipeline stages included),
+            for :meth:`signal_names`; default: the local sources.
+
+    Coverage: ``found`` local layers; ``observed`` / ``skipped`` layers with finite / degenerate
+    (zero or non-finite update) results at the last monitored step; ``errors`` caught so far.
+    """
+
+    family = "attn"
+
+    def __init__(
+        self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None
+    ) -> None:
+        self.config = config
+        self.interval = int(config.interval)
+        wanted = config.layers
+        self.sources = [s for s in sources if wanted == "all" or s.layer in wanted]
+        layers = dict(all_layers) if all_layers is not None else {
+            s.layer: s.num_heads for s in self.sources}
+        self.layers = {k: v for k, v in layers.items() if wanted == "all" or k in wanted}
+        self.terms = [t for t in ("delta2", "delta3", "delta1", "dwq", "dwk") if t in config.terms]
+        sketch = config.layer_sketch
+        self.layer_terms = [t for t in LAYER_TERMS if t in self.terms] if sketch.enabled else []
+        self.snapshots: dict[int, dict[str, Any]] = {}
+        self.errors = 0
+        self._observed = 0
+        self._skipped = 0
+        self._warned: set[str] = set()
+
+    # -- protocol --------------------------------------------------------------------------
+
+    def signal_names(self) -> list[str]:
+        """Every QK signal of every monitored layer and head, sorted."""
+        names: list[str] = []
+        for layer, heads in self.layers.items():
+            for term in self.terms:
+                for metric in METRICS:
+                    base = f"attn/{term}/{metric}/layer_{layer}"
+                    names += [f"{base}/{stat}" for stat in STATS]
+                    if self.config.per_head:
+                        names += [f"{base}/head_{h}" for h in range(heads)]
+            for term in self.layer_terms:
+                names += [f"attn/layer_{term}/{m}/layer_{layer}" for m in LAYER_METRICS]
+        return sorted(names)
+
+    def begin_step(self, step: int) -> None:
+        """Nothing to arm: the monitor reads weights after the optimizer step."""
+
+    def end_step(self, step: int) -> dict[str, float]:
+        """On a monitored step, read every source and return this rank's signals."""
+        if step % self.interval != 0 or step < int(self.config.warmup_steps):
+            return {}
+        self._observed = self._skipped = 0
+        out: dict[str, float] = {}
+        for source in self.sources:
+            out.update(self._observe(source, step))
+        return out
+
+    def derive(self, table: Mapping[str, float]) -> dict[str, float]:
+        """Per-layer mean/min/max over heads from the reduced table (see :func:`layer_stats`)."""
+        return layer_stats(table) if self.config.per_head else {}
+
+    def coverage(self) -> dict[str, int]:
+        """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring)."""
+        return {"found": len(self.sources), "observed": self._observed,
+                "skipped": self._skipped, "errors": self.errors}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Snapshots (CPU tensors) with their steps, and the error counter."""
+        snaps = {layer: {"step": s["step"], "wq": s["wq"].cpu(), "wk": s["wk"].cpu()}
+                 for layer, s in self.snapshots.items()}
+        return {"version": 1, "snapshots": snaps, "errors": self.errors}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore snapshots; they move to the weights' device on first use unless offloaded."""
+        self.snapshots = {int(k): dict(v) for k, v in sd.get("snapshots", {}).items()}
+        self.errors = int(sd.get("errors", 0))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"mechmon qk_update: {message}", RuntimeWarning, stacklevel=3)
+
+    def _error(self, source: QKSource, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        self._warn_once(f"error:{where}:{type(exc).__name__}",
+                        f"{where} failed on layer {source.layer} ({source.name}): {exc!r}")
+
+    def _observe(self, source: QKSource, step: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        pair = None
+        try:
+            pair = self._read(source, step)
+        except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+            self._error(source, "read", exc)
+        if pair is not None:
+            try:
+                out.update(self._head_signals(source, *pair))
+            except Exception as exc:  # noqa: BLE001
+                self._error(source, "per-head spectra", exc)
+        if self.layer_terms:
+            # Collective on every rank of the sketch group, whatever this rank observed.
+            out.update(self._layer_signals(source, step, pair))
+        return out
+
+    def _read(self, source: QKSource, step: int) -> tuple[tuple, tuple] | None:
+        """``((wq_prev, wq), (wk_prev, wk))`` float32 on the weights' device, or None on the
+        first observation; stores the new snapshot."""
+        wq, wk = source.read()
+        n_loc = source.head_index.numel()
+        if wq.dim() != 3 or wk.dim() != 3 or wq.shape[0] != n_loc or wq.shape[1:] != wk.shape[1:]:
+            raise ValueError(f"read() gave wq {tuple(wq.shape)}, wk {tuple(wk.shape)}; expected "
+                             f"[{n_loc}, d_head, d_model] and [groups, d_head, d_model]")
+        bf16 = self.config.snapshot_dtype == "bf16"
+        snap_dtype = torch.bfloat16 if bf16 else torch.float32
+        wq = wq.detach().to(snap_dtype).float() if bf16 else wq.detach().float()
+        wk = wk.detach().to(snap_dtype).float() if bf16 else wk.detach().float()
+        prev = self.snapshots.get(source.layer)
+        device = torch.device("cpu") if self.config.offload_snapshots else wq.device
+        self.snapshots[source.layer] = {"step": step, "wq": wq.to(device, snap_dtype, copy=True),
+                                        "wk": wk.to(device, snap_dtype, copy=True)}
+        if prev is None or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape:
+            return None
+        if step - prev["step"] != self.interval:
+            self._warn_once("gap", f"update window {step - prev['step']} steps at step {step} "
+                            f"(interval {self.interval}); using the actual window")
+        return ((prev["wq"].to(wq.device, torch.float32), wq),
+                (prev["wk"].to(wk.device, torch.float32), wk))
+
+    def _head_signals(self, source: QKSource, q: tuple, k: tuple) -> dict[str, float]:
+        (wq0, wq1), (wk0, wk1) = q, k
+        d_head, d_model = wq1.shape[1], wq1.shape[2]
+        group_index = source.group_index.to(wq1.device, torch.long)
+        spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
+        heads = source.head_index.tolist()
+        layer = source.layer
+        per_head: dict[str, float] = {}
+        degenerate = True
+        for term, sigma2 in spectra.items():
+            m = spectral_metrics(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
+            degenerate = degenerate and bool(m.degenerate.all())
+            if bool(m.fro.isnan().any()):
+                self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
+            elif bool((m.fro == 0).any()):
+                self._warn_once(f"zero:{layer}:{term}",
+                                f"zero {term} update in layer {layer} (frozen?)")
+            for metric, values in zip(METRICS, m[:5], strict=True):
+                for h, v in zip(heads, values.tolist(), strict=True):
+                    per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
+        self._skipped += int(degenerate)
+        self._observed += int(not degenerate)
+        out = dict(per_head) if self.config.per_head else {}
+        if len(heads) == source.num_heads:
+            out.update(layer_stats(per_head))
+        elif not self.config.per_head:
+            stats = layer_stats(per_head)
+            self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
+                            "per_head=True; emitting NaN")
+            out.update({k: (v if k.endswith("/mean") else math.nan) for k, v in stats.items()})
+        return out
+
+    def _layer_signals(self, source: QKSource, step: int, pair: tuple | None) -> dict[str, float]:
+        """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""
+        group = source.sketch_group
+        n_loc = source.head_index.numel()
+        ready = 0.0
+        fro2_q = fro2_k = 0.0
+        weight_G = gg_G = None
+        if pair is not None:
+            (wq0, wq1), (wk0, wk1) = pair
+            finite = bool(torch.isfinite(wq1).all()) and bool(torch.isfinite(wk1).all()) and bool(
+                torch.isfinite(wq0).all()) and bool(torch.isfinite(wk0).all())
+            num_groups = source.num_groups or source.num_heads * wk1.shape[0] // max(n_loc, 1)
+            per_group = max(source.num_heads // num_groups, 1)
+            group_index = source.group_index.to(torch.long).cpu()
+            local_groups = wk1.shape[0]
+            counts_G = torch.bincount(group_index, minlength=local_groups).double()
+            first_G = torch.full((local_groups,), source.num_heads, dtype=torch.long)
+            first_G = first_G.scatter_reduce(0, group_index, source.head_index.cpu().long(), "amin")
+            gg_G = (first_G // per_group).clamp(0, num_groups - 1)
+            weight_G = counts_G / per_group
+            dwq, dwk = wq1 - wq0, wk1 - wk0
+            fro2_q = float(dwq.double().pow(2).sum())
+            fro2_k = float((dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum())
+            ready = 1.0 if finite else 0.0
+        agree = comm.all_reduce_sum(torch.tensor([ready, fro2_q, fro2_k], dtype=torch.float64),
+                                    group)
+        if int(round(float(agree[0]))) != comm.world_size(group):
+            if pair is not None:
+                self._warn_once(f"sketch:{source.layer}", f"layer {source.layer}: some rank of "
+                                "its sketch group has no finite update; layer sketch is NaN")
+            return {f"attn/layer_{t}/{m}/layer_{source.layer}": math.nan
+                    for t in self.layer_terms for m in LAYER_METRICS} if pair is not None else {}
+        out: dict[str, float] = {}
+        for term in self.layer_terms:
+            try:
+                result = self._sketch(source, step, term, pair, gg_G, weight_G,
+                                      float(agree[1]), float(agree[2]))
+            except Exception as exc:  # noqa: BLE001
+                self._error(source, f"layer sketch {term}", exc)
+                continue
+            values = (result.entropy, result.entropy_lo, result.entropy_hi,
+                      float(result.sigma_K[0]), math.sqrt(result.fro2), result.stable_rank)
+            for metric, v in zip(LAYER_METRICS, values, strict=True):
+                out[f"attn/layer_{term}/{metric}/layer_{source.layer}"] = v
+        return out
+
+    def _sketch(self, source: QKSource, step: int, term: str, pair: tuple,
+                gg_G: torch.Tensor, weight_G: torch.Tensor, fro2_q: float,
+                fro2_k: float) -> SketchResult:
+        (wq0, wq1), (wk0, wk1) = pair
+        group = source.sketch_group
+        heads_G, d_head, d_model = source.num_heads, wq1.shape[1], wq1.shape[2]
+        device, dtype = wq1.device, wq1.dtype
+        hk = source.head_index.numel() * d_head
+        head_index = source.head_index.to(device, torch.long)
+        dwq = (wq1 - wq0).reshape(hk, d_model)
+        dwk_GKD = wk1 - wk0
+        gg = gg_G.to(device)
+        w_G11 = weight_G.to(device, dtype).view(-1, 1, 1)
+        n_groups = int(source.num_groups or heads_G * wk1.shape[0] // max(head_index.numel(), 1))
+
+        def reduce(x: torch.Tensor) -> torch.Tensor:
+            return comm.all_reduce_sum(x, group).to(torch.float64)
+
+        if term == "delta2":
+            g_H = source.group_index.to(device, torch.long)
+            wq0_f = wq0.reshape(hk, d_model)
+
+            def matmat(x: torch.Tensor) -> torch.Tensor:
+                x = x.to(device, dtype)
+                u = (wk0 @ x)[g_H].reshape(hk, -1)
+                v = (dwk_GKD @ x)[g_H].reshape(hk, -1)
+                return reduce(dwq.T @ u + wq0_f.T @ v)
+
+            def rmatmat(y: torch.Tensor) -> torch.Tensor:
+                y = y.to(device, dtype)
+                shape = (wk0.shape[0], d_head, y.shape[1])
+                a = torch.zeros(shape, device=device, dtype=dtype).index_add_(
+                    0, g_H, (dwq @ y).view(-1, d_head, y.shape[1]))
+                b = torch.zeros(shape, device=device, dtype=dtype).index_add_(
+                    0, g_H, (wq0_f @ y).view(-1, d_head, y.shape[1]))
+                return reduce(wk0.flatten(0, 1).T @ a.flatten(0, 1)
+                              + dwk_GKD.flatten(0, 1).T @ b.flatten(0, 1))
+
+            n_out, bound, fro2 = d_model, min(d_model, 2 * d_head * heads_G), None
+        elif term == "dwq":
+            def matmat(x: torch.Tensor) -> torch.Tensor:
+                z = torch.zeros(heads_G, d_head, x.shape[1], device=device, dtype=dtype)
+                z[head_index] = (dwq @ x.to(device, dtype)).view(-1, d_head, x.shape[1])
+                return reduce(z.flatten(0, 1))
+
+            def rmatmat(y: torch.Tensor) -> torch.Tensor:
+                y_loc = y.to(device, dtype).view(heads_G, d_head, -1)[head_index]
+                return reduce(dwq.T @ y_loc.flatten(0, 1))
+
+            n_out, fro2 = heads_G * d_head, fro2_q
+            bound = min(n_out, d_model)
+        else:
+            def matmat(x: torch.Tensor) -> torch.Tensor:
+                z = torch.zeros(n_groups, d_head, x.shape[1], device=device, dtype=dtype)
+                z.index_add_(0, gg, w_G11 * (dwk_GKD @ x.to(device, dtype)))
+                return reduce(z.flatten(0, 1))
+
+            def rmatmat(y: torch.Tensor) -> torch.Tensor:
+                y_loc = w_G11 * y.to(device, dtype).view(n_groups, d_head, -1)[gg]
+                return reduce(dwk_GKD.flatten(0, 1).T @ y_loc.flatten(0, 1))
+
+            n_out, fro2 = n_groups * d_head, fro2_k
+            bound = min(n_out, d_model)
+        cfg = self.config.layer_sketch
+        seed = int(getattr(cfg, "seed", 1234))
+        term_id = LAYER_TERMS.index(term)
+        generator = torch.Generator().manual_seed(
+            (seed * 1_000_003 + source.layer * 7919 + term_id * 104_729 + step) % (2**62))
+        return subspace_iteration(matmat, rmatmat, d_model, n_out, generator, rank=cfg.rank,
+                                  oversample=cfg.oversample, power_iters=cfg.power_iters,
+                                  fro2=fro2, rank_bound=bound)

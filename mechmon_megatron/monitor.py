@@ -232,6 +232,7 @@ class MechMon:
             self._error("signals", KeyError(f"undeclared signals dropped: {sorted(unknown)[:5]}"))
             local = {k: v for k, v in local.items() if k in self.names}
         table = reduce_signals(local, self.names, self.group)
+        table.update(self._derived(table))
         findings, diagnosis = self._detect(step, table)
         agreed = consensus(
             diagnosis is not None,
@@ -356,6 +357,19 @@ class MechMon:
         """Close the sinks (flush files, finish owned runs)."""
         for sink in self.sinks:
             sink.close()
+
+    def _derived(self, table: Mapping[str, float]) -> dict[str, float]:
+        """Signals a monitor computes from the full table (e.g. per-layer stats over heads that
+        live on different TP ranks); pure, so identical on every rank."""
+        out: dict[str, float] = {}
+        for monitor in self.monitors:
+            derive = getattr(monitor, "derive", None)
+            if derive is not None:
+                try:
+                    out.update({k: v for k, v in derive(table).items() if k in table})
+                except Exception as exc:  # noqa: BLE001
+                    self._error(f"{monitor.family}.derive", exc)
+        return out
 
     def _detect(self, step: int, table: Mapping[str, float]) -> tuple[list[Any], Any | None]:
         try:

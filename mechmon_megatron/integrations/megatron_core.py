@@ -1,0 +1,98 @@
+"""Attach mechmon to megatron-core model chunks (custom loops, the reference trainer, Megatron-LM).
+
+    mon = attach(config, model_chunks, optimizer, actions=...)   # every rank, after the optimizer
+    for step ...:
+        mon.begin_step(step); ...train step...; mon.end_step(step, loss=..., grad_norm=...)
+
+Process groups come from ``megatron.core.parallel_state`` (the TP group for the QK sketch; each
+router's own ``tp_dp_cp_group`` for routing statistics). The list of all monitored layers is
+agreed once at attach time with one all-gather of small metadata over the world group, so pipeline
+stages that hold no attention or router layers still declare every signal name.
+"""
+
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.layouts.megatron_qkv import (
+    find_attention_modules,
+    fp32_weight,
+    qk_layout,
+    read_qk_rows,
+)
+from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
+
+__all__ = ["qk_sources", "build_monitors", "attach"]
+
+
+def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> list[QKSource]:
+    """One :class:`QKSource` per self-attention layer held by this rank.
+
+    Raises:
+        UnsupportedAttentionError: for MLA, cross-attention or unknown attention modules.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    sources = []
+    for name, attn in find_attention_modules(model_chunks):
+        layout = qk_layout(attn, tp_rank, tp_size)
+        read = partial(read_qk_rows, attn, layout, tp_rank, tp_size, tp_group,
+                       partial(fp32_weight, optimizer=optimizer))
+        sources.append(QKSource(
+            layer=int(attn.layer_number), name=name, num_heads=layout["num_heads"],
+            head_index=layout["head_index"], group_index=layout["group_index"], read=read,
+            sketch_group=tp_group, num_groups=layout["num_groups"]))
+    return sources
+
+
+def _all_layers(local: dict[int, int]) -> dict[int, int]:
+    merged: dict[int, int] = {}
+    for part in comm.all_gather_object(local):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
+                   optimizer: Any = None) -> list[Any]:
+    """The configured monitors over ``model_chunks`` (collective: one metadata all-gather).
+
+    Returns an empty list when nothing is enabled. A router monitor enabled explicitly on a model
+    without routers warns and is dropped; ``"auto"`` enables it exactly when routers exist.
+    """
+    monitors: list[Any] = []
+    if config.qk.enabled:
+        sources = qk_sources(model_chunks, optimizer)
+        all_layers = _all_layers({s.layer: s.num_heads for s in sources})
+        if not all_layers:
+            raise ValueError("qk.enabled is true but the model has no megatron-core "
+                             "SelfAttention layers; set qk.enabled: false")
+        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=all_layers))
+    if config.router.enabled is not False:
+        from mechmon_megatron.layouts.megatron_router import router_sources
+        from mechmon_megatron.monitors.router import RouterMonitor
+
+        routers = router_sources(model_chunks)
+        all_routers = sorted({layer for part in comm.all_gather_object(
+            [r.layer for r in routers]) for layer in part})
+        if all_routers:
+            monitors.append(RouterMonitor(config.router, routers, all_layers=all_routers))
+        elif config.router.enabled is True:
+            warnings.warn("mechmon: router.enabled is true but the model has no MoE routers; "
+                          "the router monitor does nothing", RuntimeWarning, stacklevel=2)
+    return monitors
+
+
+def attach(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any = None,
+           actions: Any = None, sinks: Any = None) -> Any:
+    """Build the monitors and return an attached :class:`mechmon_megatron.monitor.MechMon`."""
+    from mechmon_megatron.monitor import MechMon
+
+    monitors = build_monitors(config, model_chunks, optimizer)
+    return MechMon(config).attach(monitors, actions=actions, sinks=sinks)

@@ -1,0 +1,200 @@
+"""Where W_Q and W_K live in megatron-core's fused ``linear_qkv`` (local and TE specs alike).
+
+Legend: np = query heads, ng = KV groups, qpg = np / ng, hn = head dim, H = hidden size,
+tp = tensor-parallel size. Weight convention ``weight: [out, in]`` (``y = x W^T``).
+
+Rows of the full ``linear_qkv.weight`` are grouped per KV group::
+
+    [ g0: q(g0,0) .. q(g0,qpg-1) | gate(g0,*)? | k(g0) | v(g0) ][ g1: ... ] ...
+
+each block ``hn`` rows (the gate block, qpg*hn rows, exists only with
+``attention_output_gate`` and is skipped). ColumnParallel shards rows contiguously, so with
+ng >= tp each TP rank holds whole groups ``[r ng/tp, (r+1) ng/tp)``; with ng < tp one group's
+block is split over tp/ng ranks, and (as megatron's forward does) the rank all-gathers the
+weight over TP, takes group ``r // (tp/ng)`` and query heads ``(r % (tp/ng)) * np/tp ...``.
+
+Per query head i with group g(i) the QK bilinear form is ``W_Q,i W_K,g^T`` with
+``W_Q,i = rows_q(i)^T`` (H x hn). qk-layernorm is folded: LayerNorm(q) = gamma * C q / rms(q)
+with the centring projection C = I - 11^T/hn, so rows become ``diag(gamma) C rows``; the
+data-dependent 1/rms factor and the bias beta are ignored (they do not live in the weights).
+RMSNorm folds ``diag(gamma)`` only. RoPE is ignored (the weight form is monitored).
+
+Weights read (in order of preference): ``param.main_param`` when the optimizer keeps an fp32
+master copy (megatron ``Float16OptimizerWithFloat16Params``; with ``DistributedOptimizer`` the
+DP-local flat slice is rebuilt over the DP group by a SUM all-reduce of a zero buffer holding
+this rank's slice), otherwise the parameter itself (fp32 training, plain torch optimizers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+
+__all__ = [
+    "UnsupportedAttentionError",
+    "find_attention_modules",
+    "qk_layout",
+    "read_qk_rows",
+    "fp32_weight",
+]
+
+
+class UnsupportedAttentionError(ValueError):
+    """An attention module the QK monitor cannot read (MLA, cross-attention, unknown types)."""
+
+
+def find_attention_modules(model_chunks: list[torch.nn.Module]) -> list[tuple[str, Any]]:
+    """Every self-attention module of ``model_chunks`` as ``(qualified name, module)``.
+
+    Raises:
+        UnsupportedAttentionError: for multi-latent attention or any attention-like module
+            without a fused ``linear_qkv``, naming the module and its type.
+    """
+    found = []
+    for c, chunk in enumerate(model_chunks):
+        for name, module in chunk.named_modules():
+            kind = type(module).__name__
+            qualified = f"model[{c}].{name}"
+            if "LatentAttention" in kind or kind.startswith("MLA"):
+                raise UnsupportedAttentionError(
+                    f"{qualified} is {kind}: multi-latent attention is not supported by the QK "
+                    "monitor yet (the QK form lives in the latent up-projections); set "
+                    "qk.enabled: false or qk.layers to exclude these layers"
+                )
+            if kind.endswith("SelfAttention") or kind == "Attention":
+                if not hasattr(module, "linear_qkv"):
+                    raise UnsupportedAttentionError(
+                        f"{qualified} is {kind} without a fused linear_qkv; supported: "
+                        "megatron-core SelfAttention (local or Transformer Engine spec)"
+                    )
+                found.append((qualified, module))
+            elif kind.endswith("CrossAttention"):
+                raise UnsupportedAttentionError(
+                    f"{qualified} is {kind}: cross-attention is not supported by the QK monitor"
+                )
+    return found
+
+
+def qk_layout(attn: Any, tp_rank: int, tp_size: int) -> dict[str, Any]:
+    """Static row layout of one ``SelfAttention`` on this TP rank.
+
+    Returns:
+        dict with ``num_heads`` (np), ``num_groups`` (ng), ``head_dim`` (hn),
+        ``head_index`` (global indices of this rank's query heads, LongTensor [np/tp]),
+        ``group_index`` (local KV-group index of each local head, LongTensor [np/tp]),
+        ``gathered`` (True when ng < tp and the weight must be all-gathered over TP),
+        ``gate`` (attention output gate rows present).
+    """
+    cfg = attn.config
+    np_, hn = cfg.num_attention_heads, attn.hidden_size_per_attention_head
+    ng = cfg.num_query_groups or np_
+    qpg = np_ // ng
+    heads_per_rank = np_ // tp_size
+    if ng >= tp_size:
+        groups_per_rank = ng // tp_size
+        first_group = tp_rank * groups_per_rank
+        head_index = torch.arange(first_group * qpg, (first_group + groups_per_rank) * qpg)
+        group_index = torch.arange(groups_per_rank).repeat_interleave(qpg)
+    else:
+        ranks_per_group = tp_size // ng
+        group = tp_rank // ranks_per_group
+        first = group * qpg + (tp_rank % ranks_per_group) * heads_per_rank
+        head_index = torch.arange(first, first + heads_per_rank)
+        group_index = torch.zeros(heads_per_rank, dtype=torch.long)
+    return {
+        "num_heads": np_,
+        "num_groups": ng,
+        "head_dim": hn,
+        "head_index": head_index,
+        "group_index": group_index,
+        "gathered": ng < tp_size,
+        "gate": bool(getattr(cfg, "attention_output_gate", False)),
+    }
+
+
+def fp32_weight(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:
+    """An fp32 copy of the weights the optimizer updates (see the module docstring)."""
+    main = getattr(param, "main_param", None)
+    if main is not None and getattr(param, "main_param_sharded", False):
+        owner = _owning_optimizer(optimizer, param)
+        if owner is None:
+            raise ValueError(
+                "parameter has a DP-sharded main_param but no DistributedOptimizer "
+                "owning it was given; pass the optimizer to the monitor"
+            )
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=main.device)
+        rng = owner._get_model_param_range_map(param)["param"]
+        full[rng.start : rng.end] = main.detach().float().view(-1)
+        full = comm.all_reduce_sum(full, owner.data_parallel_group)
+        return full.view(param.shape)
+    if main is not None:
+        return main.detach().float().view(param.shape).clone()
+    if type(param).__module__.startswith("transformer_engine"):
+        # --fp8-param-gather keeps the weight as a TE QuantizedTensor.
+        return param.dequantize().float()
+    return param.detach().float().clone()
+
+
+def _owning_optimizer(optimizer: Any, param: torch.nn.Parameter) -> Any:
+    subs = getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer else [])
+    for sub in subs:
+        try:
+            sub._get_model_param_range_map(param)
+            return sub
+        except (AttributeError, KeyError):
+            continue
+    return None
+
+
+def _fold_norm(rows_NKD: torch.Tensor, norm: Any) -> torch.Tensor:
+    """Fold a per-head q/k norm into weight rows: ``diag(gamma) C rows`` (C = centring)."""
+    if norm is None:
+        return rows_NKD
+    gamma = getattr(norm, "weight", None)
+    if "LayerNorm" in type(norm).__name__:
+        rows_NKD = rows_NKD - rows_NKD.mean(dim=1, keepdim=True)
+    if gamma is not None:
+        rows_NKD = rows_NKD * gamma.detach().float().view(1, -1, 1)
+    return rows_NKD
+
+
+def read_qk_rows(
+    attn: Any,
+    layout: dict[str, Any],
+    tp_rank: int,
+    tp_size: int,
+    tp_group: comm.Group,
+    weight_fn: Callable[[torch.nn.Parameter], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's Q rows per head and K rows per group, fp32, norms folded.
+
+    Collective over ``tp_group`` when ``layout["gathered"]`` (ng < tp).
+
+    Returns:
+        ``(wq_NKD [np/tp, hn, H], wk_GKD [local groups, hn, H])``.
+    """
+    weight = weight_fn(attn.linear_qkv.weight)
+    hn, ng, np_ = layout["head_dim"], layout["num_groups"], layout["num_heads"]
+    qpg = np_ // ng
+    block = (qpg * (2 if layout["gate"] else 1) + 2) * hn
+    if layout["gathered"]:
+        weight = comm.all_gather_cat(weight, tp_group, dim=0)
+        group = tp_rank // (tp_size // ng)
+        groups_RKD = weight[group * block : (group + 1) * block].unsqueeze(0)
+    else:
+        groups_RKD = weight.view(-1, block, weight.shape[-1])
+    q_GQKD = groups_RKD[:, : qpg * hn].reshape(groups_RKD.shape[0], qpg, hn, -1)
+    k_offset = qpg * hn * (2 if layout["gate"] else 1)
+    wk_GKD = groups_RKD[:, k_offset : k_offset + hn]
+    wq_NKD = q_GQKD.reshape(-1, hn, weight.shape[-1])
+    if layout["gathered"]:
+        heads_per_rank = np_ // tp_size
+        first = (tp_rank % (tp_size // ng)) * heads_per_rank
+        wq_NKD = wq_NKD[first : first + heads_per_rank]
+    wq_NKD = _fold_norm(wq_NKD.contiguous(), getattr(attn, "q_layernorm", None))
+    wk_GKD = _fold_norm(wk_GKD.contiguous(), getattr(attn, "k_layernorm", None))
+    return wq_NKD, wk_GKD

@@ -39,7 +39,8 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
-    tp_rank, tp_size = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_size = ps.get_tensor_model_parallel_world_size()
     sources = []
     for name, attn in find_attention_modules(model_chunks):
         layout = qk_layout(attn, tp_rank, tp_size)

@@ -1,0 +1,50 @@
+"""The ``mechmon`` command line: one subcommand per module of :mod:`mechmon_megatron.commands`.
+
+Each command module exposes ``add_parser(subparsers) -> ArgumentParser`` and
+``run(args) -> int`` (the process exit code). Modules are imported only when listed here, and
+heavy imports (torch, megatron-core) happen inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["COMMANDS", "main"]
+
+COMMANDS = {
+    "demo": "mechmon_megatron.commands.demo_cmd",
+    "train": "mechmon_megatron.commands.train_cmd",
+    "drill": "mechmon_megatron.commands.drill_cmd",
+    "report": "mechmon_megatron.commands.report_cmd",
+    "bench": "mechmon_megatron.commands.bench_cmd",
+    "config": "mechmon_megatron.commands.config_cmd",
+}
+"""Subcommand name -> module path."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mechmon",
+        description="Mechanism-driven monitors for LLM training instability.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_path in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_path)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_path:
+                raise
+            continue
+        module.add_parser(sub).set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``mechmon`` script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

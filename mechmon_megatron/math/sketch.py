@@ -186,16 +186,22 @@ def subspace_iteration(
 
     bs = _clean(rmatmat(torch.cat([q_OL, residual(yz[:, width:])], dim=1)), bad)
     sigma_L = torch.linalg.svdvals(bs[:, :width])
-    basis = [v_IS]
+    basis = [x_IL, v_IS]
     images = [bs[:, width:]]
-    for _ in range(1, blocks if n_probe > 0 else 1):
-        w_IS = images[-1] - x_IL @ (x_IL.T @ images[-1])
-        for _ in range(2):
+    room = n_in - width - n_probe
+    for _ in range(1, blocks):
+        take = min(n_probe, room)  # shapes only: the same on every rank
+        if take <= 0:
+            break
+        room -= take
+        w_IS = images[-1][:, :take]
+        for _ in range(2):  # project, normalise, twice: the block may be nearly in the basis
             for v in basis:
                 w_IS = w_IS - v @ (v.T @ w_IS)
-        basis.append(_orth(w_IS))
-        images.append(_clean(rmatmat(residual(_clean(matmat(basis[-1]), bad))), bad))
-    w_IW = torch.cat(basis, dim=1)
+            w_IS = _orth(w_IS)
+        basis.append(w_IS)
+        images.append(_clean(rmatmat(residual(_clean(matmat(w_IS), bad))), bad))
+    w_IW = torch.cat(basis[1:], dim=1)
     t_WW = w_IW.T @ torch.cat(images, dim=1)
     theta_W, u_WW = torch.linalg.eigh(0.5 * (t_WW + t_WW.T))
     theta_W = theta_W.clamp_min(0.0)

@@ -148,3 +148,14 @@ def test_tail_entropy_is_exact_for_a_flat_tail_and_clamped_to_its_bounds():
     assert math.isclose(est, exact) and math.isclose(hi, exact) and lo <= exact
     assert tail_entropy(p_head, mass, 1e9, tail_len)[0] == lo
     assert tail_entropy(p_head, mass, math.nan, tail_len)[0] == hi
+
+
+def test_small_operator_whose_complement_the_probes_exhaust():
+    g = torch.Generator().manual_seed(4)
+    m = torch.randn(48, 40, generator=g, dtype=torch.float64)
+    ref = torch.linalg.svdvals(m)
+    for fro2 in (float((ref**2).sum()), None):
+        r = subspace_iteration(lambda x: m @ x, lambda y: m.T @ y, 40, 48,
+                               torch.Generator().manual_seed(2), rank=8, fro2=fro2)
+        assert abs(r.entropy - _entropy(ref)) <= 0.01
+        assert r.entropy_lo <= r.entropy <= r.entropy_hi

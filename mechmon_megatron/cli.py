@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="mechmon",
         description="Mechanism-driven monitors for LLM training instability.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, module_path in COMMANDS.items():
+    for module_path in COMMANDS.values():
         try:
             module = importlib.import_module(module_path)
         except ModuleNotFoundError as exc:

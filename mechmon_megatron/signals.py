@@ -8,7 +8,9 @@ single SUM all-reduce of two fixed-shape float64 tensors over the world group:
     value_N = sum_r owned_r[n] * v_r[n],   count_N = sum_r owned_r[n],   v[n] = value_N / count_N
 
 Data-parallel replicas own identical copies of a signal; averaging identical float64 values is
-exact. A name no rank owned this step comes back as NaN ("not observed").
+exact. A name no rank owned this step comes back as NaN ("not observed"); a name some rank
+observed as non-finite comes back as +inf ("observed, not finite"), so detectors can tell the two
+apart.
 
 Names are hierarchical and stable: ``<family>/<signal>/<stat>[/layer_<L>[/head_<H>]]`` with
 family one of ``attn``, ``router``, ``global``. Sinks prefix them with ``mechmon/``.
@@ -47,20 +49,24 @@ def reduce_signals(
         group: ranks to combine over (default: world).
 
     Returns:
-        ``{name: value}`` in ``names`` order; NaN where no rank owned the name. A non-finite
-        local value is carried as NaN (a defined value, never an exception).
+        ``{name: value}`` in ``names`` order; NaN where no rank owned the name, +inf where a
+        rank's value was non-finite (a defined value, never an exception).
     """
     names = list(names)
     index = {n: i for i, n in enumerate(names)}
     unknown = [k for k in local if k not in index]
     if unknown:
         raise KeyError(f"signals not declared at attach time: {sorted(unknown)[:5]}")
-    packed = torch.zeros(2, len(names), dtype=torch.float64)
+    packed = torch.zeros(3, len(names), dtype=torch.float64)
     for key, value in local.items():
         v = float(value)
-        packed[0, index[key]] = v if math.isfinite(v) else math.nan
+        if math.isfinite(v):
+            packed[0, index[key]] = v
+        else:
+            packed[2, index[key]] = 1.0
         packed[1, index[key]] = 1.0
     packed = comm.all_reduce_sum(packed, group)
-    total, count = packed[0], packed[1]
+    total, count, nonfinite = packed[0], packed[1], packed[2]
     values = torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, math.nan))
-    return dict(zip(names, values.tolist()))
+    values = torch.where(nonfinite > 0, torch.full_like(total, math.inf), values)
+    return dict(zip(names, values.tolist(), strict=True))

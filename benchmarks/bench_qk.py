@@ -120,8 +120,8 @@ def main() -> None:
                 naive_head_ms[d_model] = _time(lambda w=w: _naive_head(*w), 1, False)
             full = d_model <= args.naive_full_max
             if full:
-                naive = _time(lambda w=w: [_naive_head(*(x[h:h + 1] for x in w))
-                                           for h in range(heads)], 1, False)
+                naive = _time(lambda w=w, n=heads: [_naive_head(*(x[h:h + 1] for x in w))
+                                                    for h in range(n)], 1, False)
             else:
                 naive = naive_head_ms[d_model] * heads
             sketch = _time(lambda w=w: _sketch(*w), args.repeat)

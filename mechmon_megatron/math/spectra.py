@@ -25,7 +25,7 @@ one ``eigvalsh`` per head. Before factoring, each column pair
 ``c_j = (|b_j| / |a_j|)^{1/2}`` (``A B^T`` unchanged), so a small update paired with a large weight
 does not lose digits; a pair with a zero column contributes nothing and is dropped. Heads whose
 Gram is singular (zero update, rank-deficient factors) fall back to an eigh-based square root.
-Thin QR of ``A`` and ``B`` gives the same values with better conditioning but measured ~10x slower
+Thin QR of ``A`` and ``B`` gives the same values with better conditioning but measured ~8x slower
 on CPU; the float64 Gram route meets 1e-5 relative accuracy on sigma^2 (tests/unit/test_spectra.py).
 
 All QK terms come from two Grams per head: ``gram_q`` of the rows ``[dWq; Wq]`` and ``gram_k``

@@ -2,8 +2,11 @@
 
 A monitor reads tensors on its monitored steps and returns this rank's signals; the orchestrator
 reduces them once over the world (:func:`mechmon_megatron.signals.reduce_signals`), so a monitor
-never reduces signals itself. It never raises inside a training step: errors are caught, counted
-in :meth:`Monitor.coverage`, warned once, and the affected signals are NaN.
+never reduces signals itself. A monitor may also define ``derive(table) -> dict[str, float]``:
+signals computed from the reduced table (e.g. per-layer statistics over heads that live on
+different TP ranks), pure and therefore identical on every rank; it is optional, so it is not
+part of :class:`Monitor`. A monitor never raises inside a training step: errors are caught,
+counted in :meth:`Monitor.coverage`, warned once, and the affected signals are NaN.
 """
 
 from __future__ import annotations

@@ -22,11 +22,14 @@ Signals (L = global 1-based layer, H = global query head; docs/architecture.md):
                                                    stable_rank (alpha = 2)
 =================================================  ==============================================
 
-``dwk`` of a GQA query head is its key group's value. A zero update (frozen layer) gives ``fro = 0``
-and NaN shape metrics, non-finite weights NaN everywhere: defined values plus a one-time warning.
-With ``snapshot_dtype = bf16`` both ``W(t)`` and the snapshot are rounded to bf16 before the
-difference (the update the bf16 model weights saw). With ``per_head = False`` and a layer split
-over ranks, ``mean`` is still exact (TP splits heads evenly) but ``min``/``max`` are NaN (warned).
+``dwk`` of a GQA query head is its key group's value. A zero update (frozen layer) emits
+``fro = 0`` (and ``sigma1 = 0``) and omits the undefined shape metrics (NaN after the reduction:
+not observed); non-finite weights emit non-finite values (+inf after the reduction: observed, not
+finite); both warn once. With ``snapshot_dtype = bf16`` both ``W(t)`` and the snapshot are rounded
+to bf16 before the difference (the update the bf16 model weights saw). Per-layer stats come from
+:meth:`QKUpdateMonitor.derive` on the reduced table when ``per_head`` is on; with ``per_head``
+off each rank emits them from its own heads: exact when it owns the layer's heads, else ``mean``
+only (exact: TP splits heads evenly) with NaN ``min``/``max`` (warned).
 """
 
 from __future__ import annotations
@@ -87,10 +90,12 @@ class QKSource:
 
 
 def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
-    """Per-layer mean/min/max over heads from per-head signals of a (reduced) table.
+    """Per-layer mean/min/max over heads from the per-head signals of a table.
 
     ``attn/<term>/<metric>/layer_L/head_H`` -> ``attn/<term>/<metric>/layer_L/{mean,min,max}``
-    over the finite head values (NaN when none is finite). Pure; identical on every rank.
+    over the observed heads: NaN values (not observed) are skipped; any infinite value (observed,
+    not finite) makes all three +inf; NaN when no head was observed. Pure: identical on every rank
+    given the reduced table.
     """
     groups: dict[str, list[float]] = {}
     for name, value in table.items():
@@ -99,10 +104,12 @@ def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
             groups.setdefault(match.group(1), []).append(float(value))
     out: dict[str, float] = {}
     for prefix, values in groups.items():
-        finite = [v for v in values if math.isfinite(v)]
-        out[f"{prefix}/mean"] = sum(finite) / len(finite) if finite else math.nan
-        out[f"{prefix}/min"] = min(finite) if finite else math.nan
-        out[f"{prefix}/max"] = max(finite) if finite else math.nan
+        seen = [v for v in values if not math.isnan(v)]
+        if not seen or not all(math.isfinite(v) for v in seen):
+            stats = (math.inf,) * 3 if seen else (math.nan,) * 3
+        else:
+            stats = (sum(seen) / len(seen), min(seen), max(seen))
+        out.update({f"{prefix}/{stat}": v for stat, v in zip(STATS, stats, strict=True)})
     return out
 
 
@@ -256,25 +263,29 @@ class QKUpdateMonitor:
         for term, sigma2 in spectra.items():
             m = spectral_metrics(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
             degenerate = degenerate and bool(m.degenerate.all())
-            if bool(m.fro.isnan().any()):
+            finite_H = m.fro.isfinite()
+            zero_H = m.fro == 0
+            if not bool(finite_H.all()):
                 self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
-            elif bool((m.fro == 0).any()):
+            if bool(zero_H.any()):
                 self._warn_once(f"zero:{layer}:{term}",
                                 f"zero {term} update in layer {layer} (frozen?)")
             for metric, values in zip(METRICS, m[:5], strict=True):
-                for h, v in zip(heads, values.tolist(), strict=True):
-                    per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
+                for j, (h, v) in enumerate(zip(heads, values.tolist(), strict=True)):
+                    if not bool(finite_H[j]):
+                        per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = math.inf
+                    elif metric == "fro" or not bool(zero_H[j]):
+                        per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
         self._skipped += int(degenerate)
         self._observed += int(not degenerate)
-        out = dict(per_head) if self.config.per_head else {}
+        if self.config.per_head:
+            return per_head
+        stats = layer_stats(per_head)
         if len(heads) == source.num_heads:
-            out.update(layer_stats(per_head))
-        elif not self.config.per_head:
-            stats = layer_stats(per_head)
-            self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
-                            "per_head=True; emitting NaN")
-            out.update({k: (v if k.endswith("/mean") else math.nan) for k, v in stats.items()})
-        return out
+            return stats
+        self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
+                        "per_head=True; emitting NaN")
+        return {k: (v if k.endswith("/mean") else math.nan) for k, v in stats.items()}
 
     def _layer_signals(self, source: QKSource, step: int, pair: tuple | None) -> dict[str, float]:
         """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""
@@ -319,7 +330,8 @@ class QKUpdateMonitor:
             values = (result.entropy, result.entropy_lo, result.entropy_hi,
                       float(result.sigma_K[0]), math.sqrt(result.fro2), result.stable_rank)
             for metric, v in zip(LAYER_METRICS, values, strict=True):
-                out[f"attn/layer_{term}/{metric}/layer_{source.layer}"] = v
+                if result.fro2 != 0.0 or metric in ("fro", "sigma1"):
+                    out[f"attn/layer_{term}/{metric}/layer_{source.layer}"] = v
         return out
 
     def _sketch(self, source: QKSource, step: int, term: str, pair: tuple,

@@ -38,7 +38,7 @@ def _weights(step: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _table(rank: int, world: int, groups: int) -> dict[str, float]:
-    from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor, layer_stats
+    from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
     from mechmon_megatron.signals import reduce_signals
 
     per_rank = HEADS // world
@@ -62,7 +62,7 @@ def _table(rank: int, world: int, groups: int) -> dict[str, float]:
         local = monitor.end_step(step)
     names = monitor.signal_names()
     table = reduce_signals(local, names)
-    table.update(layer_stats(table))
+    table.update(monitor.derive(table))
     return table
 
 

@@ -73,7 +73,9 @@ def test_monitor_follows_the_protocol_and_declares_every_signal():
     assert all(not v for s, v in outputs.items() if s % 10), "signals on unmonitored steps"
     assert outputs[10] == {}, "the first monitored step only takes the snapshot"
     assert set(outputs[20]) <= set(names)
-    assert len(outputs[20]) == 2 * per_layer
+    assert len(outputs[20]) == 2 * (5 * 5 * HEADS + 3 * 6), "per-layer stats come from derive"
+    assert set(monitor.derive(outputs[20])) == {n for n in names if n.endswith(
+        ("/mean", "/min", "/max")) and "layer_3" not in n}
 
 
 def test_per_head_signals_equal_direct_spectra_and_layer_stats():
@@ -92,24 +94,26 @@ def test_per_head_signals_equal_direct_spectra_and_layer_stats():
             entropy = out[f"attn/{term}/entropy/layer_3/head_{h}"]
             assert entropy == pytest.approx(float(m.entropy[h]))
             assert out[f"attn/{term}/fro/layer_3/head_{h}"] == pytest.approx(float(m.fro[h]))
-        assert out[f"attn/{term}/stable_rank/layer_3/max"] == pytest.approx(
+        stats = monitor.derive(out)
+        assert stats[f"attn/{term}/stable_rank/layer_3/max"] == pytest.approx(
             float(m.stable_rank.max()))
+        assert stats[f"attn/{term}/fro/layer_3/mean"] == pytest.approx(float(m.fro.mean()))
     assert out["attn/dwk/fro/layer_3/head_0"] == out["attn/dwk/fro/layer_3/head_1"]
-    stats = layer_stats(out)
-    assert all(out[k] == pytest.approx(v) for k, v in stats.items())
 
 
-def test_layer_stats_ignore_nan_heads_and_are_nan_without_any():
+def test_layer_stats_skip_unobserved_heads_and_propagate_non_finite_ones():
     head = "attn/delta2/entropy/layer_2/head_"
     table = {head + "0": 1.0, head + "1": 3.0, head + "2": math.nan,
-             "attn/dwq/fro/layer_2/head_0": math.nan,
+             "attn/dwq/fro/layer_2/head_0": math.nan, "attn/dwk/fro/layer_2/head_0": 1.0,
+             "attn/dwk/fro/layer_2/head_1": math.inf,
              "attn/layer_delta2/entropy/layer_2": 5.0, "global/loss": 2.0}
     stats = layer_stats(table)
     assert stats["attn/delta2/entropy/layer_2/mean"] == 2.0
     assert stats["attn/delta2/entropy/layer_2/min"] == 1.0
     assert stats["attn/delta2/entropy/layer_2/max"] == 3.0
     assert math.isnan(stats["attn/dwq/fro/layer_2/mean"])
-    assert len(stats) == 6
+    assert stats["attn/dwk/fro/layer_2/min"] == math.inf
+    assert len(stats) == 9
 
 
 def test_layer_sketch_matches_exact_svd_of_the_formed_layer_operator():
@@ -151,13 +155,16 @@ def test_zero_update_and_non_finite_weights_give_defined_values_and_warn_once():
         out = monitor.end_step(20)  # layer 1 unchanged: zero update
         coverage = monitor.coverage()
         monitor.end_step(30)
+    # zero update: fro = 0, undefined shape metrics not emitted (NaN = not observed after reduce)
     assert out["attn/delta2/fro/layer_1/head_0"] == 0.0
-    assert math.isnan(out["attn/delta2/entropy/layer_1/head_0"])
-    assert math.isnan(out["attn/layer_dwq/entropy/layer_1"])
-    assert out["attn/layer_dwq/fro/layer_1"] == 0.0
-    assert math.isnan(out["attn/dwq/fro/layer_2/head_1"])
+    assert "attn/delta2/entropy/layer_1/head_0" not in out
+    assert "attn/layer_dwq/entropy/layer_1" not in out
+    assert out["attn/layer_dwq/fro/layer_1"] == 0.0 == out["attn/layer_dwq/sigma1/layer_1"]
+    # non-finite weights: non-finite values (+inf after reduce = observed, not finite)
+    assert out["attn/dwq/fro/layer_2/head_1"] == math.inf
     assert math.isfinite(out["attn/dwq/fro/layer_2/head_0"])
-    assert math.isnan(out["attn/layer_delta2/entropy/layer_2"])
+    assert not math.isfinite(out["attn/layer_delta2/entropy/layer_2"])
+    assert set(out) <= set(monitor.signal_names())
     messages = [str(w.message) for w in caught]
     assert sum("non-finite weights in layer 2" in m for m in messages) == 1
     assert any("zero delta2 update in layer 1" in m for m in messages)

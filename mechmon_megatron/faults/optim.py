@@ -1,0 +1,113 @@
+"""Learning-rate faults: the LR multiplier schedule, router param groups, in-place LR scaling.
+
+One mechanism scales the LR: the training loop's own schedule writes ``group["lr"]`` (or
+leaves it constant), then :meth:`GroupLRScaler.apply` multiplies it. The scaler keeps the base
+LR of every group: a group whose ``lr`` still equals the value the scaler last wrote was not
+touched by a schedule, so its previous base is kept; any other value is the schedule's new base.
+So a constant-LR loop and a scheduled loop both get ``lr = base * multiplier`` exactly, and the
+multiplier never compounds.
+
+Multipliers at step t (``t0`` = start_step, ``f`` = lr.factor, ``n`` = lr.ramp_steps)::
+
+    lr fault:      1 for t < t0;  f for n = 0;  1 + (f - 1) min(1, (t - t0 + 1) / n) for n > 0
+    router fault:  router groups additionally x router.lr_multiplier for t >= t0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mechmon_megatron.faults.config import FaultConfig
+from mechmon_megatron.faults.router import router_parameters
+
+__all__ = ["lr_multiplier", "group_multiplier", "param_groups", "GroupLRScaler"]
+
+
+def lr_multiplier(cfg: FaultConfig, step: int) -> float:
+    """LR multiplier of every param group at ``step`` from the ``lr`` fault (1 without it)."""
+    if "lr" not in cfg.kinds() or step < cfg.start_step:
+        return 1.0
+    factor, ramp = cfg.lr.factor, cfg.lr.ramp_steps
+    if ramp == 0:
+        return factor
+    return 1.0 + (factor - 1.0) * min(1.0, (step - cfg.start_step + 1) / ramp)
+
+
+def group_multiplier(cfg: FaultConfig, step: int, name: str | None) -> float:
+    """Multiplier of one param group: :func:`lr_multiplier`, times the router fault's for
+    groups named ``router``."""
+    mult = lr_multiplier(cfg, step)
+    if name == "router" and "router" in cfg.kinds() and step >= cfg.start_step:
+        mult *= cfg.router.lr_multiplier
+    return mult
+
+
+def param_groups(
+    model_chunks: torch.nn.Module | Sequence[torch.nn.Module],
+    base_lr: float,
+    router_lr_multiplier: float = 1.0,
+    **group_options: Any,
+) -> list[dict[str, Any]]:
+    """Optimizer param groups with MoE router weights apart, tagged by ``"name"``.
+
+    Args:
+        model_chunks: a module or this rank's model chunks.
+        base_lr: LR of the ``default`` group.
+        router_lr_multiplier: healthy (static) LR ratio of the ``router`` group; the router
+            fault multiplies on top of it.
+        **group_options: further keys of every group (``weight_decay``, ``betas``, ...).
+
+    Returns:
+        ``[{"name": "default", "params", "lr"}, {"name": "router", ...}]``; the router group
+        only when the model has routers. Parameters without ``requires_grad`` are left out.
+    """
+    chunks = [model_chunks] if isinstance(model_chunks, torch.nn.Module) else list(model_chunks)
+    router_ids = {id(p) for p in router_parameters(chunks)}
+    default, router, seen = [], [], set()
+    for chunk in chunks:
+        for p in chunk.parameters():
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            (router if id(p) in router_ids else default).append(p)
+    groups = [dict(group_options, name="default", params=default, lr=base_lr)]
+    if router:
+        groups.append(
+            dict(group_options, name="router", params=router, lr=base_lr * router_lr_multiplier)
+        )
+    return groups
+
+
+class GroupLRScaler:
+    """Multiplies each param group's LR by its fault multiplier, keeping the base LR."""
+
+    def __init__(self, cfg: FaultConfig, param_groups: list[dict[str, Any]]) -> None:
+        self.cfg = cfg
+        self.param_groups = param_groups
+        self.base: dict[int, float] = {}
+        self.written: dict[int, float] = {}
+
+    def apply(self, step: int) -> list[float]:
+        """Set ``group["lr"] = base * group_multiplier(step)`` on every group; the multipliers."""
+        mults = []
+        for i, group in enumerate(self.param_groups):
+            lr = float(group["lr"])
+            if self.written.get(i) != lr:
+                self.base[i] = lr
+            mult = group_multiplier(self.cfg, step, group.get("name"))
+            group["lr"] = self.base[i] * mult
+            self.written[i] = group["lr"]
+            mults.append(mult)
+        return mults
+
+    def state_dict(self) -> dict[str, Any]:
+        """Base and last written LR per group index."""
+        return {"base": dict(self.base), "written": dict(self.written)}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (after the optimizer's own state is loaded)."""
+        self.base = {int(k): float(v) for k, v in sd["base"].items()}
+        self.written = {int(k): float(v) for k, v in sd["written"].items()}

@@ -10,6 +10,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# Spawned ranks already use one thread each; the parent does too, so the small dense kernels of
+# the unit tests don't fight the ranks (or each other) for the two cores.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

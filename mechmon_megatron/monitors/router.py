@@ -1,0 +1,383 @@
+"""MoE router monitor: routing entropy, load balance, router z and router-weight geometry.
+
+Shape legend: T tokens, E experts, D model width (see :mod:`mechmon_megatron.math.routing`).
+
+Per monitored step (``step % interval == 0``)::
+
+    begin_step: arm every layer's RoutingCapture
+    forward (each microbatch, each MoE layer, grad enabled):
+        framework routing(logits_TE) -> probs, routing_map     (outputs untouched)
+        capture: logits_TE, routing_map_TE -> RoutingSums       (logits dropped at once)
+    end_step: pack all layers -> one SUM + one MAX all-reduce over the router group
+              -> per-layer statistics (identical on every rank of the group), disarm, clear
+
+The router group is the set of ranks that routed distinct tokens (megatron-core
+``router.tp_dp_cp_group``: with sequence parallelism each TP rank routes its own slice of the
+sequence, and expert parallelism is carved out of data parallelism). Every member holds the same
+routers (the group lies inside one pipeline stage), so every member sends the same packed shape,
+zeros for a layer that routed no tokens. Duplicated tokens (TP without sequence parallelism,
+inference only in megatron-core) scale every count alike and leave every emitted ratio unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.math.routing import (
+    TOKEN_STATS,
+    WEIGHT_STATS,
+    RoutingSums,
+    empty_sums,
+    merge_sums,
+    num_slots,
+    router_weight_stats,
+    routing_stats,
+    routing_sums,
+)
+
+__all__ = ["RouterSource", "RoutingCapture", "RouterMonitor", "router_signal_names"]
+
+BIAS_STAT = "expert_bias_norm"
+"""Signal of aux-loss-free balancing, emitted for routers with an expert bias."""
+
+_STACK_BYTES = 64 * 2**20
+"""Largest float64 stack of router weights measured at once."""
+
+
+class RoutingCapture:
+    """Per-layer recorder a framework wrapper calls after each routing decision.
+
+    The wrapper's contract: ``if capture.armed: capture(logits, routing_map, padding_mask)``
+    after the framework computed ``routing_map`` from ``logits``, returning the framework's
+    outputs unchanged. Unarmed, the wrapper costs one attribute test. Armed, a call with grad
+    disabled (evaluation, the no-grad first pass of reentrant activation recompute) only counts
+    as skipped, so each training token is recorded once. A call never raises: the first
+    exception is kept in :attr:`error` and poisons the layer for the step (its signals are NaN).
+
+    Attributes:
+        armed: set by the monitor on monitored steps.
+        sums: merged :class:`RoutingSums` of the step so far (``None`` before the first call).
+        calls: recorded calls this step.
+        skipped: calls with grad disabled this step.
+        error: first exception of this step, or ``None``.
+    """
+
+    def __init__(self, num_bins: int, score_function: str) -> None:
+        self.num_bins = num_bins
+        self.score_function = score_function
+        self.armed = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the step's sums and counters."""
+        self.sums: RoutingSums | None = None
+        self.calls = 0
+        self.skipped = 0
+        self.error: Exception | None = None
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        routing_map: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+    ) -> None:
+        """Record one routing call.
+
+        Args:
+            logits: ``[s, b, E]`` or ``[T, E]`` router logits as routed.
+            routing_map: ``[T, E]`` bool, the experts the tokens were dispatched to.
+            padding_mask: optional ``[s, b]`` or ``[T]`` bool, True at padding tokens
+                (megatron-core convention); those tokens are not counted.
+        """
+        if not torch.is_grad_enabled():
+            self.skipped += 1
+            return
+        try:
+            with torch.no_grad():
+                valid_T = None if padding_mask is None else ~padding_mask.reshape(-1)
+                sums = routing_sums(
+                    logits, routing_map, self.num_bins, self.score_function, valid_T
+                )
+                self.sums = sums if self.sums is None else merge_sums(self.sums, sums)
+                self.calls += 1
+        except Exception as exc:  # noqa: BLE001 - never raise inside a training step
+            self.error = self.error or exc
+
+
+@dataclass
+class RouterSource:
+    """One MoE router held by this rank, as the integration layer sees it.
+
+    Attributes:
+        layer: global 1-based layer number (megatron ``layer_number``).
+        name: module path, for messages.
+        num_experts: ``E``, experts the router scores.
+        score_function: ``softmax`` or ``sigmoid``.
+        group: ranks that routed distinct tokens of this layer (megatron-core
+            ``router.tp_dp_cp_group``); every source of a monitor shares it.
+        read_weight: returns ``W_R`` ``[E, D]`` (a view; not modified).
+        read_expert_bias: returns the ``[E]`` expert bias of aux-loss-free balancing, or ``None``.
+        attach: installs ``capture`` on the router (wrapper contract in :class:`RoutingCapture`)
+            and returns a function that removes it.
+    """
+
+    layer: int
+    name: str
+    num_experts: int
+    score_function: str
+    group: comm.Group
+    read_weight: Callable[[], torch.Tensor]
+    read_expert_bias: Callable[[], torch.Tensor | None]
+    attach: Callable[[RoutingCapture], Callable[[], None]]
+
+
+def router_signal_names(layers: Sequence[int], expert_bias: bool) -> list[str]:
+    """Sorted ``router/<signal>/layer_<L>`` names of ``layers``."""
+    stats = list(TOKEN_STATS) + list(WEIGHT_STATS) + ([BIAS_STAT] if expert_bias else [])
+    return sorted(f"router/{stat}/layer_{layer}" for layer in set(layers) for stat in stats)
+
+
+class RouterMonitor:
+    """Routing statistics of every MoE layer, reduced over the ranks that routed tokens.
+
+    Args:
+        config: ``RouterConfig``-like: ``interval``, ``histogram_bins``, ``layers``
+            (``"all"`` or global layer numbers).
+        sources: this rank's routers (possibly none on a pipeline stage without MoE layers).
+        all_layers: global layer numbers of every MoE layer of the model (all pipeline stages).
+        expert_bias: whether the model's routers have an expert bias.
+
+    When ``all_layers`` or ``expert_bias`` is ``None`` it is gathered from every rank's sources
+    (one ``all_gather_object`` over the world; every rank must construct the monitor then), so
+    :meth:`signal_names` is global either way.
+
+    Emitted keys (``L`` global layer; ``H_t`` per-token entropy of the full routing
+    distribution, ``n_e`` tokens per expert after top-k, ``z_t`` router logits, ``w_e`` rows
+    of ``W_R``):
+
+    | key | value |
+    | --- | --- |
+    | ``router/entropy_mean/layer_L`` | mean ``H_t`` (nats) |
+    | ``router/entropy_frac/layer_L`` | mean ``H_t / log E`` |
+    | ``router/entropy_frac_p{10,50,90}/layer_L`` | quantiles of ``H_t / log E`` (histogram) |
+    | ``router/margin_mean/layer_L`` | mean top-1 minus top-2 probability |
+    | ``router/load_entropy/layer_L`` | entropy of ``n_e / sum n`` over ``log E`` |
+    | ``router/maxvio/layer_L`` | ``max_e n_e / mean_e n_e`` |
+    | ``router/dead_experts/layer_L`` | experts with ``n_e = 0`` |
+    | ``router/z_mean/layer_L``, ``router/z_max/layer_L`` | mean, max of ``logsumexp(z_t)`` |
+    | ``router/weight_cosine/layer_L`` | mean pairwise cosine of ``w_e`` (Eq. 7) |
+    | ``router/weight_cond_max/layer_L`` | ``max_e ||w_e - w_bar|| / ||w_bar||`` |
+    | ``router/weight_cond_fro/layer_L`` | ``||W_R - 1 w_bar^T||_F / ||w_bar||`` |
+    | ``router/expert_bias_norm/layer_L`` | ``||b||_2`` (routers with an expert bias) |
+
+    Every rank of the router group emits identical values for its layers. Coverage:
+    ``found`` routers on this rank, ``observed`` routers that recorded tokens on the last
+    monitored step, ``skipped`` no-grad routing calls on that step, ``errors`` (cumulative).
+
+    Raises:
+        ValueError: two sources with the same layer, or sources in different groups.
+    """
+
+    family = "router"
+
+    def __init__(
+        self,
+        config: Any,
+        sources: Sequence[RouterSource],
+        all_layers: Sequence[int] | None = None,
+        expert_bias: bool | None = None,
+    ) -> None:
+        self.interval = int(config.interval)
+        self.num_bins = int(config.histogram_bins)
+        if all_layers is None or expert_bias is None:
+            local_bias = any(s.read_expert_bias() is not None for s in sources)
+            gathered = comm.all_gather_object(([s.layer for s in sources], local_bias))
+            if all_layers is None:
+                all_layers = [layer for layers, _ in gathered for layer in layers]
+            if expert_bias is None:
+                expert_bias = any(bias for _, bias in gathered)
+        wanted = None if config.layers == "all" else set(config.layers)
+        local = {s.layer for s in sources}
+        known = set(all_layers)
+        self.layers = sorted(known if wanted is None else known & wanted)
+        self.sources = sorted((s for s in sources if s.layer in self.layers), key=lambda s: s.layer)
+        layers = [s.layer for s in self.sources]
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"router monitor: several routers share a layer number: {layers}")
+        if any(s.group is not self.sources[0].group for s in self.sources):
+            raise ValueError("router monitor: routers of one rank must share one router group")
+        self.group = self.sources[0].group if self.sources else None
+        self.expert_bias = bool(expert_bias)
+        self._warned: set[str] = set()
+        self._errors = 0
+        if not self.layers:
+            self._warn("dense", "router monitor enabled but the model has no (selected) MoE layer")
+        elif wanted is not None and wanted - known:
+            self._warn("layers", f"router.layers {sorted(wanted - known)} are not MoE layers")
+        if local - known:
+            self._warn(
+                "unknown",
+                f"routers of layers {sorted(local - known)} are not in "
+                "all_layers and are not monitored",
+            )
+        self.captures = [RoutingCapture(self.num_bins, s.score_function) for s in self.sources]
+        self._detach = [s.attach(c) for s, c in zip(self.sources, self.captures, strict=True)]
+        self._observed = 0
+        self._skipped = 0
+
+    def signal_names(self) -> list[str]:
+        """Every ``router/...`` name of the model's selected MoE layers (global)."""
+        return router_signal_names(self.layers, self.expert_bias)
+
+    def begin_step(self, step: int) -> None:
+        """Arm the captures when ``step`` is monitored."""
+        armed = step % self.interval == 0
+        for capture in self.captures:
+            capture.reset()
+            capture.armed = armed
+
+    def end_step(self, step: int) -> dict[str, float]:
+        """Reduce the step's sums over the router group and return this rank's signals.
+
+        On a monitored step every rank with routers issues exactly one SUM and one MAX
+        all-reduce on the router group, whatever it recorded.
+        """
+        for capture in self.captures:
+            capture.armed = False
+        if step % self.interval != 0 or not self.sources:
+            return {}
+        sum_flat, max_flat = self._pack()
+        sum_flat = comm.all_reduce_sum(sum_flat, self.group)
+        max_flat = comm.all_reduce_max(max_flat, self.group)
+        out: dict[str, float] = {}
+        try:
+            out.update(self._token_signals(sum_flat, max_flat))
+        except Exception as exc:  # noqa: BLE001 - never raise inside a training step
+            self._error("token statistics", exc)
+        try:
+            out.update(self._weight_signals())
+        except Exception as exc:  # noqa: BLE001
+            self._error("weight statistics", exc)
+        self._observed = sum(c.calls > 0 for c in self.captures)
+        self._skipped = sum(c.skipped for c in self.captures)
+        for capture in self.captures:
+            capture.reset()
+        return out
+
+    def coverage(self) -> dict[str, int]:
+        """``found``, ``observed``, ``skipped`` (last monitored step) and ``errors``."""
+        return {
+            "found": len(self.sources),
+            "observed": self._observed,
+            "skipped": self._skipped,
+            "errors": self._errors,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The monitor keeps no state across steps."""
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Nothing to restore (see :meth:`state_dict`)."""
+
+    def close(self) -> None:
+        """Remove the capture wrappers from the routers."""
+        for detach in self._detach:
+            detach()
+        self._detach = []
+
+    def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's sums of every layer in source order; NaN slots where a capture failed."""
+        device = comm.device_for_group(self.group)
+        sum_parts, max_parts = [], []
+        for source, capture in zip(self.sources, self.captures, strict=True):
+            size = num_slots(source.num_experts, self.num_bins)
+            try:
+                if capture.error is not None:
+                    raise capture.error
+                sums = capture.sums
+                if sums is None:
+                    sums = empty_sums(source.num_experts, self.num_bins, device)
+                if sums.sum_S.numel() != size:
+                    raise ValueError(f"captured {sums.sum_S.numel()} slots, expected {size}")
+                sum_S, max_1 = sums.sum_S, sums.lse_max.reshape(1)
+            except Exception as exc:  # noqa: BLE001 - the collective below must still happen
+                self._error(f"capture {source.name}", exc)
+                sum_S = torch.full((size,), math.nan)
+                max_1 = torch.full((1,), math.nan)
+            sum_parts.append(sum_S.to(device, torch.float64))
+            max_parts.append(max_1.to(device, torch.float64))
+        return torch.cat(sum_parts), torch.cat(max_parts)
+
+    def _token_signals(self, sum_flat: torch.Tensor, max_flat: torch.Tensor) -> dict[str, float]:
+        """Routing statistics of every layer from the reduced sums (one host transfer)."""
+        sums, maxima = sum_flat.tolist(), max_flat.tolist()
+        out, offset = {}, 0
+        for source, lse_max in zip(self.sources, maxima, strict=True):
+            size = num_slots(source.num_experts, self.num_bins)
+            stats = routing_stats(
+                sums[offset : offset + size], lse_max, source.num_experts, self.num_bins
+            )
+            offset += size
+            out.update({f"router/{k}/layer_{source.layer}": v for k, v in stats.items()})
+        return out
+
+    def _weight_signals(self) -> dict[str, float]:
+        """Router-weight geometry and expert-bias norms (replicated over the group: no reduction).
+
+        Routers of equal shape are stacked and measured together, at most ``_STACK_BYTES`` of
+        float64 weights at a time (a DeepSeek-V3-sized router, 256 x 7168, is 14.7 MB); one host
+        transfer for all layers.
+        """
+        weights = [s.read_weight() for s in self.sources]
+        rows_LK: list[torch.Tensor] = []
+        start = 0
+        while start < len(weights):
+            shape = weights[start].shape
+            per_layer = 8 * weights[start].numel()
+            stop = start + 1
+            while (
+                stop < len(weights)
+                and weights[stop].shape == shape
+                and (stop - start + 1) * per_layer <= _STACK_BYTES
+            ):
+                stop += 1
+            stats = router_weight_stats(torch.stack(weights[start:stop]))
+            rows_LK.append(torch.stack([stats[key] for key in WEIGHT_STATS], dim=1))
+            start = stop
+        table_LK = torch.cat(rows_LK)
+        keys = list(WEIGHT_STATS)
+        if self.expert_bias:
+            nan = torch.full((), math.nan, dtype=torch.float64, device=table_LK.device)
+            norms_L = [
+                nan if b is None else torch.linalg.vector_norm(b.detach().to(nan))
+                for b in (s.read_expert_bias() for s in self.sources)
+            ]
+            table_LK = torch.cat([table_LK, torch.stack(norms_L).unsqueeze(1)], dim=1)
+            keys.append(BIAS_STAT)
+        out = {}
+        for source, values in zip(self.sources, table_LK.tolist(), strict=True):
+            out.update(
+                {f"router/{k}/layer_{source.layer}": v for k, v in zip(keys, values, strict=True)}
+            )
+        return out
+
+    def _error(self, where: str, exc: Exception) -> None:
+        self._errors += 1
+        self._warn(
+            where,
+            f"router monitor: {where} failed ({type(exc).__name__}: {exc}); "
+            "its signals are NaN, counted in coverage",
+        )
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"mechmon: {message}", stacklevel=3)

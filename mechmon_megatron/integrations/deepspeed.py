@@ -1,0 +1,354 @@
+"""DeepSpeed: the ``"mechmon"`` config block, engine hooks, ZeRO reads, checkpoint-and-exit.
+
+Usage (every rank, after ``deepspeed.initialize``)::
+
+    engine, *_ = deepspeed.initialize(model=model, config="ds_config.json", ...)
+    mm = mechmon_megatron.deepspeed.attach(engine)          # reads config["mechmon"]
+    mm.load(load_dir)                                       # optional: engine.load_checkpoint
+    for batch in data:
+        loss = engine(batch); engine.backward(loss); engine.step()
+
+What :func:`attach` hooks on the engine instance (DeepSpeed itself is not edited)::
+
+    engine.module forward pre-hook   first grad-enabled forward of step t = global_steps + 1:
+                                     mon.begin_step(t)  (arms the router capture)
+    engine.backward                  records the (unscaled) micro-batch loss
+    engine._take_model_step          the optimizer step of DeepSpeedEngine.step() and of
+                                     PipelineEngine.train_batch(); after it, if global_steps
+                                     advanced and was_step_applied() (fp16 overflow steps are
+                                     skipped): mon.end_step(global_steps, loss=mean micro-batch
+                                     loss, grad_norm=engine.get_global_grad_norm())
+    engine.save_checkpoint           client_state["mechmon"] = mon.state_dict(); the checkpoint
+                                     is noted for the alarm's "last checkpoint before onset"
+    engine.load_checkpoint           client_state["mechmon"] -> mon.load_state_dict, then
+                                     mon.check_resume(checkpoint)  (collective)
+
+A PipelineEngine does not call ``engine.backward``; its loss is ``total_loss / micro_batches`` on
+the last stage at the optimizer step (``None`` on other stages).
+
+Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by MechMon, inside
+``_take_model_step``): every rank calls ``engine.save_checkpoint(save_dir,
+tag="global_step<N>", client_state={"mechmon": ...})`` (the monitor state holds the alarm), barrier,
+rank 0 writes ``<save_dir>/mechmon_alarm.json``, barrier, the sinks are closed and every rank raises
+``SystemExit(actions.exit_code)`` (86 by default) out of ``engine.step()``. Loading that
+checkpoint unchanged re-raises the alarm in ``load`` (same exit code, before any step);
+``actions.acknowledge: <alarm_id>`` re-arms detection on fresh baselines instead.
+
+DeepSpeed writes ``client_state`` once per model-parallel rank (from data-parallel rank 0) and every
+data-parallel replica loads that copy. That is right for mechmon: its state (weight snapshots of
+every layer, detector baselines, the alarm) is identical on every data-parallel replica.
+
+Groups: the QK sketch runs on a single-rank group per rank (every DP rank holds all heads; the
+groups are created once with ``deepspeed.comm.new_group`` on every rank); routing statistics are
+reduced over :func:`mechmon_megatron.layouts.deepspeed_moe.router_group`. Tensor-parallel engines
+(an ``mpu`` with model-parallel size > 1, e.g. Megatron-DeepSpeed) are not supported by the
+HF-style QK layout and are rejected at attach time when the QK monitor is enabled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.monitor import MechMon
+from mechmon_megatron.sinks import Sink, build_sinks
+
+__all__ = ["CONFIG_KEY", "DeepSpeedActions", "DeepSpeedMechMon", "attach", "engine_config",
+           "build_monitors"]
+
+logger = logging.getLogger(__name__)
+
+CONFIG_KEY = "mechmon"
+"""Top-level key of the mechmon block in a DeepSpeed JSON config."""
+
+
+def engine_config(engine: Any,
+                  config: str | Path | Mapping[str, Any] | MechMonConfig | None = None
+                  ) -> MechMonConfig:
+    """The validated configuration: ``config`` if given, else the engine's ``"mechmon"`` block.
+
+    DeepSpeed keeps the parsed JSON as ``engine.config`` (the same dict as
+    ``engine._config._param_dict``) and ignores keys it does not know, so the block survives.
+    A missing block gives the defaults.
+
+    Raises:
+        ValueError: an unknown key or invalid value, naming ``mechmon.<dotted path>``.
+    """
+    if config is not None:
+        return load_config(config)
+    params = getattr(engine, "config", None)
+    if not isinstance(params, Mapping):
+        params = getattr(getattr(engine, "_config", None), "_param_dict", None) or {}
+    block = params.get(CONFIG_KEY)
+    if block is None:
+        logger.info("mechmon: no %r block in the DeepSpeed config; using the defaults", CONFIG_KEY)
+    return load_config(block)
+
+
+_SELF_GROUPS: dict[int, Any] = {}
+
+
+def _self_group() -> comm.Group:
+    """A process group holding only this rank (created once, on every rank, in rank order)."""
+    size = comm.world_size()
+    if size == 1:
+        return None
+    if size not in _SELF_GROUPS:
+        import deepspeed.comm as ds_comm
+
+        groups = [ds_comm.new_group([r]) for r in range(size)]
+        _SELF_GROUPS[size] = groups[comm.global_rank()]
+    return _SELF_GROUPS[size]
+
+
+def _all_layers(local: Mapping[int, Any]) -> dict[int, Any]:
+    """Union over ranks of ``{layer: value}`` (pipeline stages hold different layers)."""
+    merged: dict[int, Any] = {}
+    for part in comm.all_gather_object(dict(local)):
+        merged.update(part)
+    return dict(sorted(merged.items()))
+
+
+def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
+    """The configured monitors over ``engine.module`` (collective: small metadata gathers).
+
+    Raises:
+        ValueError: ``qk.enabled`` on a model without recognised attention modules, or on a
+            tensor-parallel engine.
+    """
+    monitors: list[Any] = []
+    if config.qk.enabled:
+        from deepspeed.utils import groups
+        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+        from mechmon_megatron.layouts.hf_attention import hf_qk_sources
+        from mechmon_megatron.monitors.qk_update import QKUpdateMonitor
+
+        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+            raise ValueError("mechmon.qk: tensor-parallel DeepSpeed engines are not supported by "
+                             "the HF-style QK layout; set qk.enabled: false")
+        sources = hf_qk_sources(engine.module, _self_group())
+        layers = _all_layers({s.layer: s.num_heads for s in sources})
+        if not layers:
+            raise ValueError("mechmon.qk.enabled is true but the model has no attention module "
+                             "with q_proj/k_proj or a fused query_key_value/linear_qkv; set "
+                             "qk.enabled: false")
+        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=layers))
+    if config.router.enabled is not False:
+        from mechmon_megatron.layouts.deepspeed_moe import topk_gate_sources
+        from mechmon_megatron.monitors.router import RouterMonitor
+
+        routers = topk_gate_sources(engine.module)
+        layers = _all_layers({r.layer: r.num_experts for r in routers})
+        if layers:
+            monitors.append(RouterMonitor(config.router, routers, all_layers=list(layers)))
+        elif config.router.enabled is True:
+            warnings.warn("mechmon: router.enabled is true but the model has no DeepSpeed "
+                          "TopKGate; the router monitor does nothing", RuntimeWarning,
+                          stacklevel=2)
+    return monitors
+
+
+class DeepSpeedActions:
+    """:class:`~mechmon_megatron.actions.FrameworkActions` for a DeepSpeed engine.
+
+    Args:
+        hooks: the attached :class:`DeepSpeedMechMon` (its wrapped ``save_checkpoint`` adds the
+            monitor state).
+        save_dir: directory of the alarm checkpoint.
+    """
+
+    def __init__(self, hooks: DeepSpeedMechMon, save_dir: str) -> None:
+        self.hooks = hooks
+        self.save_dir = save_dir
+        self.exit_code: int | None = None
+        """Exit code requested, if any."""
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """``engine.save_checkpoint(save_dir, tag="global_step<N>")`` on every rank; its path."""
+        tag = f"global_step{int(self.hooks.engine.global_steps)}"
+        self.hooks.engine.save_checkpoint(self.save_dir, tag=tag)
+        return os.path.join(self.save_dir, tag)
+
+    def request_exit(self, exit_code: int) -> None:
+        """Close the sinks and raise ``SystemExit(exit_code)`` (every rank, after the barrier)."""
+        self.exit_code = int(exit_code)
+        self.hooks.close()
+        if comm.global_rank() == 0:
+            logger.error("mechmon: exiting with code %d after the alarm checkpoint in %s",
+                         exit_code, self.save_dir)
+        raise SystemExit(self.exit_code)
+
+
+class DeepSpeedMechMon:
+    """MechMon attached to one DeepSpeed engine; build it with :func:`attach`.
+
+    Attributes:
+        engine: the engine.
+        config: the validated configuration.
+        mon: the :class:`~mechmon_megatron.monitor.MechMon` (``None`` when ``enabled: false``).
+        actions: the framework actions (alarm checkpoint directory, requested exit code).
+    """
+
+    def __init__(self, engine: Any, config: MechMonConfig, save_dir: str) -> None:
+        self.engine = engine
+        self.config = config
+        self.mon: MechMon | None = None
+        self.actions = DeepSpeedActions(self, save_dir)
+        self._originals: dict[str, Any] = {}
+        self._handles: list[Any] = []
+        self._losses: list[torch.Tensor] = []
+        self._begun: int | None = None
+
+    # -- public --------------------------------------------------------------------------------
+
+    def load(self, load_dir: str, tag: str | None = None, **kwargs: Any) -> tuple[Any, Any]:
+        """``engine.load_checkpoint(load_dir, tag, **kwargs)``, restoring the monitor state.
+
+        Collective. Re-raises a pending, unacknowledged alarm (``SystemExit``) before any step.
+
+        Returns:
+            What ``engine.load_checkpoint`` returned: ``(path or None, client_state)``.
+        """
+        return self.engine.load_checkpoint(load_dir, tag, **kwargs)
+
+    def record_loss(self, loss: Any) -> None:
+        """Record a micro-batch loss for loops that do not go through ``engine.backward``."""
+        self._losses.append(loss.detach() if isinstance(loss, torch.Tensor) else
+                            torch.tensor(float(loss)))
+
+    def close(self) -> None:
+        """Close the sinks (flush files)."""
+        if self.mon is not None:
+            self.mon.close()
+
+    def detach(self) -> None:
+        """Remove every hook and put the engine's methods back."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for name in self._originals:
+            delattr(self.engine, name)
+        self._originals.clear()
+
+    # -- wiring --------------------------------------------------------------------------------
+
+    def install(self, monitors: Sequence[Any], sinks: Sequence[Sink] | None) -> None:
+        """Attach the MechMon and wrap the engine (called by :func:`attach`)."""
+        self.mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks)
+        wrappers = {"_take_model_step": self._take_model_step, "backward": self._backward,
+                    "save_checkpoint": self._save_checkpoint,
+                    "load_checkpoint": self._load_checkpoint}
+        for name, wrapper in wrappers.items():
+            if name in vars(self.engine):
+                raise RuntimeError(f"engine.{name} is already wrapped (mechmon attached twice?)")
+            self._originals[name] = getattr(self.engine, name)
+            setattr(self.engine, name, wrapper)
+        self._handles.append(self.engine.module.register_forward_pre_hook(self._pre_forward))
+
+    def _pre_forward(self, module: torch.nn.Module, args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            return
+        step = int(self.engine.global_steps) + 1
+        if step != self._begun:
+            self._begun = step
+            self.mon.begin_step(step)
+
+    def _backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(loss, torch.Tensor):
+            self._losses.append(loss.detach())
+        return self._originals["backward"](loss, *args, **kwargs)
+
+    def _step_loss(self) -> torch.Tensor | None:
+        losses, self._losses = self._losses, []
+        if losses:
+            return torch.stack([x.float().reshape(()) for x in losses]).mean()
+        total = getattr(self.engine, "total_loss", None)  # PipelineEngine, last stage
+        if isinstance(total, torch.Tensor):
+            return total.detach().float() / max(int(getattr(self.engine, "micro_batches", 1)), 1)
+        return None
+
+    def _take_model_step(self, *args: Any, **kwargs: Any) -> Any:
+        before = int(self.engine.global_steps)
+        out = self._originals["_take_model_step"](*args, **kwargs)
+        loss = self._step_loss()
+        step = int(self.engine.global_steps)
+        if step == before or not self.engine.was_step_applied():
+            return out  # fp16 overflow: no update was applied, nothing to monitor
+        self.mon.end_step(step, loss=loss, grad_norm=self.engine.get_global_grad_norm())
+        return out
+
+    def _save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Any = None,
+                         *args: Any, **kwargs: Any) -> Any:
+        step = int(self.engine.global_steps)
+        path = os.path.join(str(save_dir), str(tag if tag is not None else f"global_step{step}"))
+        self.mon.note_checkpoint(step, path)
+        state = dict(client_state or {})
+        state[CONFIG_KEY] = self.mon.state_dict()
+        return self._originals["save_checkpoint"](save_dir, tag, state, *args, **kwargs)
+
+    def _load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any,
+                         **kwargs: Any) -> Any:
+        result = self._originals["load_checkpoint"](load_dir, tag, *args, **kwargs)
+        path, client_state = result if isinstance(result, tuple) else (result, None)
+        state = (client_state or {}).get(CONFIG_KEY) if path is not None else None
+        # Every rank loads or none does: the detectors must stay identical across ranks.
+        missing = comm.all_reduce_max(torch.tensor([0 if state is not None else 1]))
+        if int(missing.item()) == 0:
+            self.mon.load_state_dict(state)
+        elif path is not None:
+            warnings.warn(f"mechmon: no monitor state in {path} on every rank; monitoring "
+                          "starts on fresh baselines", RuntimeWarning, stacklevel=2)
+        self._begun = None
+        self._losses = []
+        # DeepSpeed returns the model-states file; the checkpoint is its <load_dir>/<tag> folder,
+        # so a re-raised alarm rewrites <load_dir>/mechmon_alarm.json where it was first written.
+        self.mon.check_resume(os.path.dirname(str(path)) if path is not None else None)
+        return result
+
+
+def attach(
+    engine: Any,
+    config: str | Path | Mapping[str, Any] | MechMonConfig | None = None,
+    *,
+    save_dir: str | None = None,
+    sinks: Sequence[Sink] | None = None,
+) -> DeepSpeedMechMon:
+    """Attach mechmon to a DeepSpeed engine; call on every rank after ``deepspeed.initialize``.
+
+    Args:
+        engine: a ``DeepSpeedEngine`` (or ``PipelineEngine``).
+        config: overrides the engine's ``"mechmon"`` block (a mapping, a YAML/JSON path or a
+            ``MechMonConfig``).
+        save_dir: directory of the alarm checkpoint; default ``<output_dir>/checkpoints``.
+        sinks: sinks of global rank 0; default: those enabled in ``config.sinks`` plus the
+            engine's monitor (``tensorboard`` / ``wandb`` / ``csv_monitor`` blocks) when enabled.
+
+    Returns:
+        The :class:`DeepSpeedMechMon` (its ``mon`` is ``None`` when ``enabled: false``).
+
+    Raises:
+        ValueError: an invalid ``"mechmon"`` block (the message names ``mechmon.<path>``), or a
+            model the enabled monitors cannot read.
+    """
+    cfg = engine_config(engine, config)
+    hooks = DeepSpeedMechMon(engine, cfg, save_dir or os.path.join(cfg.output_dir, "checkpoints"))
+    if not cfg.enabled:
+        return hooks
+    monitors = build_monitors(cfg, engine)
+    if sinks is None and comm.global_rank() == 0:
+        from mechmon_megatron.sinks.deepspeed_monitor import DeepSpeedMonitorSink
+
+        sinks = build_sinks(cfg.sinks, cfg.output_dir)
+        if getattr(engine.monitor, "enabled", False):
+            sinks.append(DeepSpeedMonitorSink(engine.monitor))
+    hooks.install(monitors, sinks)
+    return hooks

@@ -76,45 +76,55 @@ def _train(rank: int, world_size: int, parallel_kw: dict, model_kw: dict, steps:
     return losses
 
 
+def _campaign(rank: int, world_size: int, runs: list[tuple[str, dict, dict, bool]]) -> dict:
+    """Several layouts of one world size in one spawn (re-initialising parallel state)."""
+    return {name: _train(rank, world_size, parallel_kw, model_kw, 3, schedule)
+            for name, parallel_kw, model_kw, schedule in runs}
+
+
 DENSE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
 MOE = dict(DENSE, num_moe_experts=4, moe_router_topk=2)
+WORLD2 = [
+    ("tp2", {"tp": 2}, DENSE, False),
+    ("tp2_sp", {"tp": 2, "sequence_parallel": True}, DENSE, False),
+    ("ep2_allgather", {"ep": 2}, dict(MOE, moe_token_dispatcher_type="allgather"), False),
+    ("ep2_alltoall", {"ep": 2}, dict(MOE, moe_token_dispatcher_type="alltoall"), False),
+    ("moe_tp2_sp", {"tp": 2, "sequence_parallel": True}, MOE, False),
+    ("pp2_schedule", {"pp": 2}, DENSE, True),
+]
 
 
-def _reference(model_kw: dict, steps: int = 3) -> list[float]:
-    return run_distributed(_train, 1, {}, model_kw, steps)[0]
+@pytest.fixture(scope="module")
+def losses() -> dict:
+    ref = run_distributed(_campaign, 1, [("dense", {}, DENSE, False), ("moe", {}, MOE, False)],
+                          timeout=300)[0]
+    world2 = run_distributed(_campaign, 2, WORLD2, timeout=600)
+    world4 = run_distributed(_campaign, 4, [("tp4", {"tp": 4}, DENSE, False)], timeout=300)
+    return {"ref": ref, "world2": world2, "world4": world4}
 
 
-def test_tensor_parallel_gives_the_same_loss_as_a_single_process():
-    ref = _reference(DENSE)
-    for tp in (2, 4):
-        losses = run_distributed(_train, tp, {"tp": tp}, DENSE, 3)
-        for rank_losses in losses:
-            assert rank_losses == pytest.approx(ref, rel=1e-5), (tp, rank_losses, ref)
+def _same(per_rank: list[dict], name: str, ref: list[float]) -> None:
+    for rank, result in enumerate(per_rank):
+        assert result[name] == pytest.approx(ref, rel=1e-5), (name, rank, result[name], ref)
 
 
-def test_sequence_parallel_gives_the_same_loss_as_a_single_process():
-    ref = _reference(DENSE)
-    losses = run_distributed(_train, 2, {"tp": 2, "sequence_parallel": True}, DENSE, 3)
-    assert losses[0] == pytest.approx(ref, rel=1e-5)
+def test_tensor_parallel_gives_the_same_loss_as_a_single_process(losses):
+    _same(losses["world2"], "tp2", losses["ref"]["dense"])
+    _same(losses["world4"], "tp4", losses["ref"]["dense"])
+
+
+def test_sequence_parallel_gives_the_same_loss_as_a_single_process(losses):
+    _same(losses["world2"], "tp2_sp", losses["ref"]["dense"])
 
 
 @pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
-def test_expert_parallel_moe_runs_and_matches_a_single_process(dispatcher):
-    model_kw = dict(MOE, moe_token_dispatcher_type=dispatcher)
-    ref = _reference(model_kw)
-    losses = run_distributed(_train, 2, {"ep": 2}, model_kw, 3)
-    assert losses[0] == pytest.approx(ref, rel=1e-5)
-    assert losses[0] == losses[1]
+def test_expert_parallel_moe_matches_a_single_process(losses, dispatcher):
+    _same(losses["world2"], f"ep2_{dispatcher}", losses["ref"]["moe"])
 
 
-def test_moe_with_tensor_and_sequence_parallelism_matches_a_single_process():
-    ref = _reference(MOE)
-    losses = run_distributed(_train, 2, {"tp": 2, "sequence_parallel": True}, MOE, 3)
-    assert losses[0] == pytest.approx(ref, rel=1e-5)
+def test_moe_with_tensor_and_sequence_parallelism_matches_a_single_process(losses):
+    _same(losses["world2"], "moe_tp2_sp", losses["ref"]["moe"])
 
 
-def test_pipeline_parallel_schedule_matches_a_single_process():
-    ref = run_distributed(_train, 1, {}, DENSE, 3, True)[0]
-    losses = run_distributed(_train, 2, {"pp": 2}, DENSE, 3, True)
-    assert losses[0] == pytest.approx(ref, rel=1e-5)
-    assert losses[1] == pytest.approx(ref, rel=1e-5)
+def test_pipeline_parallel_schedule_matches_a_single_process(losses):
+    _same(losses["world2"], "pp2_schedule", losses["ref"]["dense"])

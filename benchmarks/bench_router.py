@@ -19,7 +19,8 @@ machine noise; it leaves out the one-branch wrapper on unmonitored steps and cac
 process: the group reductions are no-ops here, so the collectives' latency (two all-reduces of
 ``(5 + B + E) L + L`` float64 values per monitored step) is not included.
 
-Usage: ``python benchmarks/bench_router.py [--steps N] [--experts E] [--batch B] [--threads N]``.
+Usage: ``python benchmarks/bench_router.py [--steps N] [--experts E] [--batch B] [--hidden D]
+[--seq S] [--threads N]`` (defaults: the tiny model of the tests, 4 x 64 tokens, one thread).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per model")
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=64, help="model width d")
+    parser.add_argument("--seq", type=int, default=64, help="sequence length")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -106,7 +109,8 @@ def main() -> None:
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
     parallel = ParallelSpec()
-    spec = ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    spec = ModelSpec(num_layers=2, hidden_size=args.hidden, seq_length=args.seq,
+                     num_attention_heads=4, num_query_groups=2,
                      num_moe_experts=args.experts, moe_router_topk=2)
     init_parallel(parallel)
     runs = {}
@@ -127,7 +131,7 @@ def main() -> None:
                 runs[name][1].append(seconds)
 
     base = statistics.median(t for t, _ in runs["off"][1])
-    print(f"tiny MoE GPT: 2 layers, d=64, E={args.experts}, top-2, "
+    print(f"tiny MoE GPT: 2 layers, d={args.hidden}, E={args.experts}, top-2, "
           f"{args.batch}x{spec.seq_length} tokens/step, {args.steps} steps per run, "
           f"{torch.get_num_threads()} threads")
     print(f"{'run':<7}{'step ms':>9}{'monitored ms':>14}{'in monitor ms':>15}"

@@ -160,17 +160,19 @@ def routing_sums(
     if z_TE.shape[0] == 0:
         return empty_sums(num_experts, num_bins, z_TE.device)
     probs_TE, logp_TE, lse_T = token_distribution(z_TE, score_function)
-    entropy_T = -(probs_TE * logp_TE).sum(dim=-1)
+    lse_T1 = lse_T.unsqueeze(1)
+    entropy_T1 = (probs_TE * logp_TE).sum(dim=-1, keepdim=True).neg_()
     top2_T2 = probs_TE.topk(2, dim=-1).values
-    per_token_T5 = torch.stack(
-        [torch.ones_like(lse_T), entropy_T, top2_T2[:, 0], top2_T2[:, 1], lse_T], dim=1
-    )
+    per_token_T5 = torch.cat([torch.ones_like(lse_T1), entropy_T1, top2_T2, lse_T1], dim=1)
     # Clamp after the cast: a NaN token (non-finite logits) lands in a valid bin, and its NaN
     # entropy sum marks the layer's quantiles NaN in routing_stats.
-    bin_T = (entropy_T * (num_bins / math.log(num_experts))).long().clamp_(0, num_bins - 1)
-    hist_B = torch.bincount(bin_T, minlength=num_bins)
-    sum_S = torch.cat([per_token_T5.sum(dim=0, dtype=torch.float64), hist_B, map_TE.sum(dim=0)])
-    return RoutingSums(sum_S, lse_T.max().to(torch.float64))
+    bin_T = (entropy_T1.view(-1) * (num_bins / math.log(num_experts))).long()
+    hist_B = torch.bincount(bin_T.clamp_(0, num_bins - 1), minlength=num_bins)
+    f64 = torch.float64
+    sum_S = torch.cat(
+        [per_token_T5.sum(dim=0, dtype=f64), hist_B.to(f64), map_TE.sum(dim=0, dtype=f64)]
+    )
+    return RoutingSums(sum_S, lse_T.max().to(f64))
 
 
 def empty_sums(num_experts: int, num_bins: int, device: torch.device | str = "cpu") -> RoutingSums:

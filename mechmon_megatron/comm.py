@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 __all__ = [
     "Group",
+    "SELF",
     "is_distributed",
     "world_size",
     "rank",
@@ -36,7 +37,18 @@ __all__ = [
 ]
 
 Group = Any
-"""A ``torch.distributed.ProcessGroup`` or ``None`` for the default (world) group."""
+"""A ``torch.distributed.ProcessGroup``, ``None`` for the default (world) group, or :data:`SELF`."""
+
+
+class _SelfGroup:
+    """This rank alone: every collective on it is the identity, no process group needed."""
+
+    def __repr__(self) -> str:
+        return "comm.SELF"
+
+
+SELF = _SelfGroup()
+"""The group of this rank alone (e.g. a QK sketch when every rank holds all heads)."""
 
 
 def is_distributed() -> bool:
@@ -45,13 +57,13 @@ def is_distributed() -> bool:
 
 
 def world_size(group: Group = None) -> int:
-    """Number of ranks in ``group`` (1 when not distributed)."""
-    return dist.get_world_size(group) if is_distributed() else 1
+    """Number of ranks in ``group`` (1 when not distributed or for :data:`SELF`)."""
+    return dist.get_world_size(group) if is_distributed() and group is not SELF else 1
 
 
 def rank(group: Group = None) -> int:
-    """This process's rank inside ``group`` (0 when not distributed)."""
-    return dist.get_rank(group) if is_distributed() else 0
+    """This process's rank inside ``group`` (0 when not distributed or for :data:`SELF`)."""
+    return dist.get_rank(group) if is_distributed() and group is not SELF else 0
 
 
 def global_rank() -> int:
@@ -61,6 +73,8 @@ def global_rank() -> int:
 
 def group_ranks(group: Group = None) -> list[int]:
     """Global ranks that form ``group``, in group-rank order."""
+    if group is SELF:
+        return [global_rank()]
     if not is_distributed():
         return [0]
     if group is None:
@@ -70,7 +84,7 @@ def group_ranks(group: Group = None) -> list[int]:
 
 def device_for_group(group: Group = None) -> torch.device:
     """Device a collective on ``group`` needs: CPU for gloo, the current CUDA device for nccl."""
-    if not is_distributed():
+    if not is_distributed() or group is SELF:
         return torch.device("cpu")
     backend = dist.get_backend(group)
     if backend == "nccl" and torch.cuda.is_available():

@@ -38,8 +38,8 @@ DeepSpeed writes ``client_state`` once per model-parallel rank (from data-parall
 data-parallel replica loads that copy. That is right for mechmon: its state (weight snapshots of
 every layer, detector baselines, the alarm) is identical on every data-parallel replica.
 
-Groups: the QK sketch runs on a single-rank group per rank (every DP rank holds all heads; the
-groups are created once with ``deepspeed.comm.new_group`` on every rank); routing statistics are
+Groups: the QK sketch runs on ``comm.SELF`` (every DP rank holds all heads, so the sketch needs
+no communication); routing statistics are
 reduced over :func:`mechmon_megatron.layouts.deepspeed_moe.router_group`. Tensor-parallel engines
 (an ``mpu`` with model-parallel size > 1, e.g. Megatron-DeepSpeed) are not supported by the
 HF-style QK layout and are rejected at attach time when the QK monitor is enabled.
@@ -93,22 +93,6 @@ def engine_config(engine: Any,
     return load_config(block)
 
 
-_SELF_GROUPS: dict[int, Any] = {}
-
-
-def _self_group() -> comm.Group:
-    """A process group holding only this rank (created once, on every rank, in rank order)."""
-    size = comm.world_size()
-    if size == 1:
-        return None
-    if size not in _SELF_GROUPS:
-        import deepspeed.comm as ds_comm
-
-        groups = [ds_comm.new_group([r]) for r in range(size)]
-        _SELF_GROUPS[size] = groups[comm.global_rank()]
-    return _SELF_GROUPS[size]
-
-
 def _all_layers(local: Mapping[int, Any]) -> dict[int, Any]:
     """Union over ranks of ``{layer: value}`` (pipeline stages hold different layers)."""
     merged: dict[int, Any] = {}
@@ -135,7 +119,7 @@ def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
         if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
             raise ValueError("mechmon.qk: tensor-parallel DeepSpeed engines are not supported by "
                              "the HF-style QK layout; set qk.enabled: false")
-        sources = hf_qk_sources(engine.module, _self_group())
+        sources = hf_qk_sources(engine.module, comm.SELF)
         layers = _all_layers({s.layer: s.num_heads for s in sources})
         if not layers:
             raise ValueError("mechmon.qk.enabled is true but the model has no attention module "

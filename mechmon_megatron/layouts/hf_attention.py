@@ -25,8 +25,8 @@ without an fp32 master under ``GatheredParameters``, otherwise the parameter its
 depends only on the parameter's attributes, identical on every DP rank, so every rank issues the
 same collectives in the same order as long as it reads the same sources in the same order.
 
-Every rank holds all heads (DeepSpeed data parallelism), so each source's ``sketch_group`` is a
-single-rank group: the layer sketch needs no communication. Tensor-parallel engines (an ``mpu``
+Every rank holds all heads (DeepSpeed data parallelism), so each source's ``sketch_group`` is
+``comm.SELF``: the layer sketch needs no communication. Tensor-parallel engines (an ``mpu``
 with model-parallel size > 1) are rejected with a clear error.
 """
 
@@ -223,7 +223,7 @@ def hf_qk_sources(
 
     Args:
         model: the engine's module (``engine.module``), identical on every DP rank.
-        sketch_group: a group holding only this rank (every rank holds all heads).
+        sketch_group: ``comm.SELF`` (every rank holds all heads).
         weight_fn: full fp32 weight of a parameter; collective, same order on every rank.
 
     Raises:

@@ -36,13 +36,16 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
     Raises:
         UnsupportedAttentionError: for MLA, cross-attention or unknown attention modules.
     """
+    found = find_attention_modules(model_chunks)
+    if not found:
+        return []
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
     sources = []
-    for name, attn in find_attention_modules(model_chunks):
+    for name, attn in found:
         layout = qk_layout(attn, tp_rank, tp_size)
         read = partial(read_qk_rows, attn, layout, tp_rank, tp_size, tp_group,
                        partial(fp32_weight, optimizer=optimizer))

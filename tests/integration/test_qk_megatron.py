@@ -76,7 +76,8 @@ def _rows_match_forward(model, tp_rank: int, tp_size: int) -> float:
         wq, wk = read_qk_rows(attn, layout, tp_rank, tp_size,
                               ps.get_tensor_model_parallel_group(), fp32_weight)
         with torch.no_grad():
-            q, k, _ = attn.get_query_key_value_tensors(x)
+            gate = bool(attn.config.attention_output_gate)
+            q, k, *_ = attn.get_query_key_value_tensors(x, output_gate=gate)
             q_raw, k_raw = x[:, 0] @ wq.flatten(0, 1).T, x[:, 0] @ wk.flatten(0, 1).T
             if hasattr(attn.q_layernorm, "weight"):
                 # The folded rows give gamma * (y - mean(y)), LayerNorm(y) without its 1/rms.
@@ -135,6 +136,8 @@ def _worker(rank: int, world_size: int, steps: int) -> dict:
         out["row_error"] = max(out["row_error"], _rows_match_forward(model, tp_rank, world_size))
         out["tables"][groups] = _layout_invariant_update(model, groups, parallel, attach(
             _config(), [model]))
+    gated = ModelSpec(**_model_kw(2), extra={"attention_output_gate": True})
+    out["gate_row_error"] = _rows_match_forward(build_gpt(gated, parallel), tp_rank, world_size)
     if world_size == 1:
         model = build_gpt(ModelSpec(**_model_kw(2, qk_layernorm=True)), parallel)
         out["ln_row_error"] = _rows_match_forward(model, 0, 1)
@@ -157,10 +160,11 @@ def runs() -> dict[int, list[dict]]:
     return {tp: run_distributed(_worker, tp, 4, timeout=240) for tp in (1, 2, 4)}
 
 
-def test_weight_rows_reproduce_megatrons_own_query_and_key(runs):
+def test_weight_rows_reproduce_megatrons_own_query_and_key_with_gate_and_qk_layernorm(runs):
     for tp, results in runs.items():
         for r in results:
             assert r["row_error"] < 1e-5, (tp, r["row_error"])
+            assert r["gate_row_error"] < 1e-5, (tp, r["gate_row_error"])
     assert runs[1][0]["ln_row_error"] < 1e-4
 
 

@@ -1,0 +1,52 @@
+"""Attention modules the QK monitor cannot read are refused by name and type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+
+def _uninitialised(cls: type) -> torch.nn.Module:
+    """A real megatron-core module object without its (CUDA/TE-only) constructor having run."""
+    obj = cls.__new__(cls)
+    torch.nn.Module.__init__(obj)
+    return obj
+
+
+def test_multi_latent_attention_is_refused_with_the_module_path_and_type():
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from mechmon_megatron.layouts.megatron_qkv import (
+        UnsupportedAttentionError,
+        find_attention_modules,
+    )
+
+    model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"attn": _uninitialised(
+        MLASelfAttention)})})
+    with pytest.raises(UnsupportedAttentionError, match=r"model\[0\]\.decoder\.attn is "
+                                                        r"MLASelfAttention.*qk\.enabled"):
+        find_attention_modules([model])
+
+
+def test_cross_attention_is_refused():
+    from megatron.core.transformer.attention import CrossAttention
+
+    from mechmon_megatron.layouts.megatron_qkv import (
+        UnsupportedAttentionError,
+        find_attention_modules,
+    )
+
+    model = torch.nn.ModuleDict({"xattn": _uninitialised(CrossAttention)})
+    with pytest.raises(UnsupportedAttentionError, match="CrossAttention"):
+        find_attention_modules([model])
+
+
+def test_a_model_without_attention_is_an_error_when_the_qk_monitor_is_on():
+    from mechmon_megatron.config import load_config
+    from mechmon_megatron.integrations import megatron_core
+
+    config = load_config({"router": {"enabled": False}})
+    with pytest.raises(ValueError, match="no megatron-core SelfAttention"):
+        megatron_core.build_monitors(config, [torch.nn.Linear(4, 4)])

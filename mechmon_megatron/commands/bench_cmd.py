@@ -1,0 +1,156 @@
+"""``mechmon bench``: what the monitor costs on the reference model, on and off side by side.
+
+    mechmon bench [--steps 200] [--intervals 1 10 100] [--layers 4] [--hidden 128] [--heads 4]
+                  [--seq 128] [--batch 8]
+
+One process trains the reference trainer's GPT (:mod:`mechmon_megatron.train.trainer`, one CPU
+thread) for ``--steps`` steps without mechmon, then once per interval with the QK monitor at that
+interval (dense preset, per-head and layer-sketch signals, detectors on, sinks off), each run
+continuing the same model. Columns:
+
+- ``step ms off/on``: mean wall time of a training step without / with the monitor;
+- ``monitor ms/step``: time inside ``begin_step`` + ``end_step`` divided by the steps, and
+  ``share``: that time over the rest of the same run's step time (robust to load changes
+  between runs on a shared machine; the target is <= 1 % at the default interval, 100).
+  Each run starts right after a monitored step (its snapshot taken untimed), so a run of
+  ``--steps`` (a multiple of the interval) holds the steady state's ``steps / interval`` full
+  monitored steps;
+- ``snapshots MiB``: tensors held by the monitor between monitored steps (its state);
+- ``RSS peak +MiB``: growth of the process's resident high-water mark during the run (CPU; an
+  upper bound of the transient memory the monitor adds, 0 when below an earlier peak).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["add_parser", "run", "bench"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``bench`` on the CLI's subparsers."""
+    parser = subparsers.add_parser("bench", help="monitor share of step time and memory, "
+                                   "on/off side by side on the reference model")
+    parser.add_argument("--steps", type=int, default=200, help="steps per run (%(default)s)")
+    parser.add_argument("--intervals", type=int, nargs="+", default=[1, 10, 100],
+                        help="monitor intervals (%(default)s)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8)
+    return parser
+
+
+class _Timed:
+    """Wraps a MechMon, adding up the seconds spent in its step calls."""
+
+    def __init__(self, mon: Any) -> None:
+        self.mon = mon
+        self.seconds = 0.0
+
+    def begin_step(self, step: int) -> None:
+        tick = time.perf_counter()
+        self.mon.begin_step(step)
+        self.seconds += time.perf_counter() - tick
+
+    def end_step(self, step: int, **kwargs: Any) -> Any:
+        tick = time.perf_counter()
+        verdict = self.mon.end_step(step, **kwargs)
+        self.seconds += time.perf_counter() - tick
+        return verdict
+
+
+def _state_bytes(obj: Any) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def _rss_mib() -> float:
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20
+
+
+def bench(args: argparse.Namespace) -> list[dict[str, float]]:
+    """Run the benchmark; one row per interval (see the module docstring)."""
+    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.train.trainer import _init_world, _Trainer, load_train_config
+
+    cfg = load_train_config({
+        "steps": args.steps * (len(args.intervals) + 1), "log_interval": 0,
+        "model": {"num_layers": args.layers, "hidden_size": args.hidden,
+                  "num_attention_heads": args.heads, "seq_length": args.seq},
+        "data": {"global_batch_size": args.batch},
+        "mechmon": {"enabled": False},
+    })
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    owns = _init_world()
+    scratch = tempfile.mkdtemp(prefix="mechmon_bench_")  # alarm files of the log action
+    try:
+        trainer = _Trainer(cfg)
+
+        def timed_run(first: int) -> float:
+            tick = time.perf_counter()
+            for step in range(first, first + args.steps):
+                trainer._train_step(step)
+            return (time.perf_counter() - tick) / args.steps
+
+        off = timed_run(1)
+        rows = []
+        for i, interval in enumerate(args.intervals):
+            mon_cfg = load_train_config({"mechmon": {
+                "preset": "dense", "qk": {"interval": interval}, "output_dir": scratch,
+                "actions": {"on_alarm": "log"},
+                "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}}}).mechmon
+            mon = attach(mon_cfg, [trainer.model], trainer.optimizer)
+            first = 1 + (i + 1) * args.steps
+            mon.begin_step(first - 1)  # untimed: the snapshot W(t - interval) of the first window
+            mon.end_step(first - 1)
+            trainer.mon = _Timed(mon)
+            rss = _rss_mib()
+            on = timed_run(first)
+            rows.append({"interval": interval, "off_ms": 1e3 * off, "on_ms": 1e3 * on,
+                         "monitor_ms": 1e3 * trainer.mon.seconds / args.steps,
+                         "share_pct": 100 * trainer.mon.seconds / (on * args.steps
+                                                                   - trainer.mon.seconds),
+                         "state_mib": _state_bytes(mon.state_dict()) / 2**20,
+                         "rss_mib": max(0.0, _rss_mib() - rss)})
+            trainer.mon = None
+        return rows
+    finally:
+        from mechmon_megatron.train.model import destroy_parallel
+
+        destroy_parallel()
+        shutil.rmtree(scratch, ignore_errors=True)
+        if owns:
+            torch.distributed.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the benchmark table; returns 0."""
+    rows = bench(args)
+    print(f"mechmon bench: {args.layers} layers x {args.hidden} hidden, {args.heads} heads, "
+          f"batch {args.batch} x seq {args.seq}, {args.steps} steps per run, 1 CPU thread")
+    print("| interval | step ms off | step ms on | monitor ms/step | share | snapshots MiB "
+          "| RSS peak +MiB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['interval']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | "
+              f"{r['monitor_ms']:.2f} | {r['share_pct']:.2f} % | {r['state_mib']:.2f} | "
+              f"{r['rss_mib']:.1f} |")
+    return 0

@@ -9,7 +9,7 @@ attention has HF ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections (groupe
 (``TopKGate``, ``--ep-size`` expert parallelism). The ``"mechmon"`` block of the DeepSpeed config
 configures the monitors; ``--lr-spike-step S`` multiplies the learning rate by
 ``--lr-spike-factor`` from step S on, a fault that should raise the alarm: every rank saves a
-checkpoint to ``--save`` with the monitor state, ``mechmon_alarm.json`` is written beside it and
+checkpoint to ``--save`` with the monitor state, ``alarm.json`` is written beside it and
 the job exits with code 86. ``--load DIR`` resumes (an unacknowledged alarm exits again at once).
 
 Data are random token sequences with a learnable structure (next token = current + 1 mod V,

@@ -6,7 +6,7 @@
 #
 # Added: --save/--load $CHECKPOINT_DIR and --exit-signal-handler. Exit code: 86 (mechmon alarm;
 # the alarm file is printed), else torchrun's. torchrun turns a worker's 86 into 1, so an alarm is
-# also recognised by a mechmon_alarm.json in $CHECKPOINT_DIR written during this run.
+# also recognised by a alarm.json in $CHECKPOINT_DIR written during this run.
 # Several nodes: slurm/megatron_lm.sbatch.
 #
 # Environment overrides (defaults in brackets):

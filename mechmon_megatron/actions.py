@@ -8,7 +8,7 @@
 
       framework.save_checkpoint(step)    collective; the monitor's state (alarm included) is saved
       barrier                            every shard is on disk
-      rank 0 writes mechmon_alarm.json   atomically, beside the checkpoint
+      rank 0 writes alarm.json   atomically, beside the checkpoint
       barrier                            the file exists before any rank leaves
       framework.request_exit(exit_code) default 86 (0 is success; Megatron uses 16 and 17)
 

@@ -13,14 +13,14 @@ broadcasts its diagnosis, on a branch every rank takes because every rank saw th
 Record and file. An :class:`Alarm` names the fault class, onset and alarm steps, the evidence, the
 hash of the configuration, the last checkpoint saved before the onset, the exit code and an
 ``alarm_id``: 12 hex digits of ``sha256(fault_class|alarm_step|config_hash)``, short enough to
-type. Rank 0 writes it as ``mechmon_alarm.json`` beside the checkpoint (in the checkpoint's parent
+type. Rank 0 writes it as ``alarm.json`` beside the checkpoint (in the checkpoint's parent
 directory, e.g. Megatron's ``--save`` directory), atomically: a temporary file in the same
 directory, fsync, ``os.replace``. A reader sees the old file or the new one, never a part.
 
 Operator workflow (no restart loop):
 
 1. The alarm fires with ``actions.on_alarm: checkpoint_and_exit``: every rank saves a checkpoint
-   (the monitor's state, alarm included, travels in it), rank 0 writes ``mechmon_alarm.json``,
+   (the monitor's state, alarm included, travels in it), rank 0 writes ``alarm.json``,
    the job exits with ``actions.exit_code`` (default 86, distinct from 0 and from Megatron's rerun
    codes 16/17). SLURM templates do not requeue on this code.
 2. A job resumed from that checkpoint unchanged raises the same alarm again before any training
@@ -62,7 +62,7 @@ __all__ = [
     "write_alarm_json",
 ]
 
-ALARM_FILENAME = "mechmon_alarm.json"
+ALARM_FILENAME = "alarm.json"
 """Name of the alarm file, written in the directory that holds the alarm checkpoint."""
 
 _NONE = -(2**62)
@@ -121,7 +121,7 @@ def alarm_id(fault_class: str, alarm_step: int, cfg_hash: str) -> str:
 
 @dataclass
 class Alarm:
-    """One alarm, as stored in the monitor's state and in ``mechmon_alarm.json``."""
+    """One alarm, as stored in the monitor's state and in ``alarm.json``."""
 
     alarm_id: str
     """Short id; set ``actions.acknowledge`` to it to resume past this alarm."""
@@ -258,7 +258,7 @@ def share_diagnosis(
 
 
 def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:
-    """Atomically write ``alarm`` as ``<directory>/mechmon_alarm.json``; return the path.
+    """Atomically write ``alarm`` as ``<directory>/alarm.json``; return the path.
 
     The JSON goes to a temporary file in ``directory`` that is flushed and fsynced, then renamed
     over the target with ``os.replace`` (atomic on POSIX within one filesystem); the directory is

@@ -14,6 +14,9 @@ Collective rules (every caller relies on them):
 
 from __future__ import annotations
 
+import os
+import tempfile
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,6 +37,8 @@ __all__ = [
     "broadcast_object",
     "barrier",
     "group_ranks",
+    "init_world",
+    "destroy_world",
 ]
 
 Group = Any
@@ -146,3 +151,29 @@ def barrier(group: Group = None) -> None:
     """Barrier over ``group``; no-op when not distributed."""
     if world_size(group) > 1:
         dist.barrier(group=group)
+
+
+def init_world(timeout_s: float = 600.0) -> bool:
+    """Create the default process group if none exists; returns True when this call created it.
+
+    Under ``torchrun`` (``MASTER_ADDR``/``WORLD_SIZE`` set) the group spans its ranks, on nccl
+    when CUDA is available and gloo otherwise; alone, a single-rank gloo group over a private
+    file store (no port to collide with).
+    """
+    if is_distributed():
+        return False
+    timeout = timedelta(seconds=timeout_s)
+    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        store = os.path.join(tempfile.mkdtemp(prefix="mechmon_pg_"), "store")
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
+                                timeout=timeout)
+    return True
+
+
+def destroy_world() -> None:
+    """Destroy the default process group (what :func:`init_world` created)."""
+    if is_distributed():
+        dist.destroy_process_group()

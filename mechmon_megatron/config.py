@@ -59,6 +59,8 @@ __all__ = [
     "RESERVED_EXIT_CODES",
     "load_config",
     "load_preset",
+    "overlay",
+    "require",
 ]
 
 PRESETS = ("dense", "moe", "low_overhead")
@@ -86,13 +88,17 @@ class _FieldError(ValueError):
         self.allowed = allowed
 
 
-def _require(ok: bool, field_path: str, value: Any, allowed: str) -> None:
+def require(ok: bool, field_path: str, value: Any, allowed: str) -> None:
+    """Raise ``ValueError("<field_path>: invalid value <value>; allowed: <allowed>")`` unless ok.
+
+    For ``__post_init__`` checks of any strict config dataclass (trainer, faults, mechmon).
+    """
     if not ok:
         raise _FieldError(field_path, value, allowed)
 
 
 def _check_layers(layers: str | list[int]) -> None:
-    _require(
+    require(
         layers == "all" or (isinstance(layers, list) and all(v >= 1 for v in layers)),
         "layers",
         layers,
@@ -119,9 +125,9 @@ class SketchConfig:
     """Power iterations of the range finder (>= 0)."""
 
     def __post_init__(self) -> None:
-        _require(self.rank > 0, "rank", self.rank, "an integer > 0")
-        _require(self.oversample >= 0, "oversample", self.oversample, "an integer >= 0")
-        _require(self.power_iters >= 0, "power_iters", self.power_iters, "an integer >= 0")
+        require(self.rank > 0, "rank", self.rank, "an integer > 0")
+        require(self.oversample >= 0, "oversample", self.oversample, "an integer >= 0")
+        require(self.power_iters >= 0, "power_iters", self.power_iters, "an integer >= 0")
 
 
 @dataclass
@@ -150,11 +156,11 @@ class QKConfig:
     """Layer-level randomized sketch over all heads."""
 
     def __post_init__(self) -> None:
-        _require(self.interval > 0, "interval", self.interval, "an integer > 0")
-        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
         _check_layers(self.layers)
-        _require(bool(self.terms), "terms", self.terms, "a non-empty list of QK terms")
-        _require(self.alpha > 0, "alpha", self.alpha, "a number > 0")
+        require(bool(self.terms), "terms", self.terms, "a non-empty list of QK terms")
+        require(self.alpha > 0, "alpha", self.alpha, "a number > 0")
 
 
 @dataclass
@@ -171,8 +177,8 @@ class RouterConfig:
     """``all`` or a list of global 1-based layer numbers (MoE layers only)."""
 
     def __post_init__(self) -> None:
-        _require(self.interval > 0, "interval", self.interval, "an integer > 0")
-        _require(self.histogram_bins > 1, "histogram_bins", self.histogram_bins, "an integer > 1")
+        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        require(self.histogram_bins > 1, "histogram_bins", self.histogram_bins, "an integer > 1")
         _check_layers(self.layers)
 
 
@@ -207,9 +213,9 @@ class BaselineConfig:
     """Absolute floor of the scale."""
 
     def __post_init__(self) -> None:
-        _require(0 < self.track_rate < 1, "track_rate", self.track_rate, "a number in (0, 1)")
-        _require(self.min_rel_scale >= 0, "min_rel_scale", self.min_rel_scale, "a number >= 0")
-        _require(self.min_abs_scale > 0, "min_abs_scale", self.min_abs_scale, "a number > 0")
+        require(0 < self.track_rate < 1, "track_rate", self.track_rate, "a number in (0, 1)")
+        require(self.min_rel_scale >= 0, "min_rel_scale", self.min_rel_scale, "a number >= 0")
+        require(self.min_abs_scale > 0, "min_abs_scale", self.min_abs_scale, "a number > 0")
 
 
 @dataclass
@@ -226,9 +232,9 @@ class RobustZConfig:
     """... among the last n monitored samples."""
 
     def __post_init__(self) -> None:
-        _require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
-        _require(self.n >= 1, "n", self.n, "an integer >= 1")
-        _require(1 <= self.k <= self.n, "k", self.k, f"an integer in 1..n (n = {self.n})")
+        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+        require(self.n >= 1, "n", self.n, "an integer >= 1")
+        require(1 <= self.k <= self.n, "k", self.k, f"an integer in 1..n (n = {self.n})")
 
 
 @dataclass
@@ -246,8 +252,8 @@ class CusumConfig:
     """Decision interval h."""
 
     def __post_init__(self) -> None:
-        _require(self.drift >= 0, "drift", self.drift, "a number >= 0")
-        _require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+        require(self.drift >= 0, "drift", self.drift, "a number >= 0")
+        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
 
 
 @dataclass
@@ -261,7 +267,7 @@ class BoundsConfig:
 
     def __post_init__(self) -> None:
         if self.min is not None and self.max is not None:
-            _require(self.min < self.max, "max", self.max, f"a number > min ({self.min})")
+            require(self.min < self.max, "max", self.max, f"a number > min ({self.min})")
 
 
 @dataclass
@@ -333,8 +339,8 @@ class LossSpikeConfig:
     """Raise the alarm on a finding (false: only log it)."""
 
     def __post_init__(self) -> None:
-        _require(self.factor > 1, "factor", self.factor, "a number > 1")
-        _require(self.num_samples > 0, "num_samples", self.num_samples, "an integer > 0")
+        require(self.factor > 1, "factor", self.factor, "a number > 1")
+        require(self.num_samples > 0, "num_samples", self.num_samples, "an integer > 0")
 
 
 @dataclass
@@ -351,8 +357,8 @@ class ZSpikeConfig:
     """Raise the alarm on a finding (false: only log it)."""
 
     def __post_init__(self) -> None:
-        _require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
-        _require(self.window > 1, "window", self.window, "an integer > 1")
+        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+        require(self.window > 1, "window", self.window, "an integer > 1")
 
 
 @dataclass
@@ -391,14 +397,14 @@ class DetectorsConfig:
     """Comparison rules (Megatron spiky loss, z-score spikes); they only log by default."""
 
     def __post_init__(self) -> None:
-        _require(self.warmup_samples >= 3, "warmup_samples", self.warmup_samples, "an integer >= 3")
-        _require(self.start_step >= 0, "start_step", self.start_step, "an integer >= 0")
-        _require(
+        require(self.warmup_samples >= 3, "warmup_samples", self.warmup_samples, "an integer >= 3")
+        require(self.start_step >= 0, "start_step", self.start_step, "an integer >= 0")
+        require(
             self.compound_window >= 0, "compound_window", self.compound_window, "an integer >= 0"
         )
         for key, fam in self.families().items():
             for i, pattern in enumerate(fam.signals):
-                _require(
+                require(
                     pattern.startswith(key + "/"),
                     f"{key}.signals[{i}]",
                     pattern,
@@ -428,7 +434,7 @@ class ActionsConfig:
 
     def __post_init__(self) -> None:
         reason = RESERVED_EXIT_CODES.get(self.exit_code)
-        _require(
+        require(
             reason is None and 1 <= self.exit_code <= 255,
             "exit_code",
             self.exit_code,
@@ -478,7 +484,7 @@ class ConsoleSinkConfig:
     """Print every this many monitored steps (alarms and coverage warnings always print)."""
 
     def __post_init__(self) -> None:
-        _require(self.every > 0, "every", self.every, "an integer > 0")
+        require(self.every > 0, "every", self.every, "an integer > 0")
 
 
 @dataclass
@@ -593,7 +599,7 @@ def _convert(tp: Any, value: Any, default: Any, path: str) -> Any:
             return {k: _convert(args[1], v, None, f"{path}.{k}") for k, v in value.items()}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, Mapping):
-            return _overlay(default if default is not None else tp(), value, path)
+            return overlay(default if default is not None else tp(), value, path)
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -615,8 +621,12 @@ class _Mismatch(ValueError):
         super().__init__(f"{path}: invalid value {value!r}; allowed: {allowed}")
 
 
-def _overlay(base: Any, data: Any, path: str) -> Any:
-    """A copy of dataclass ``base`` with the entries of mapping ``data`` applied, strictly."""
+def overlay(base: Any, data: Any, path: str) -> Any:
+    """A copy of dataclass ``base`` with the entries of mapping ``data`` applied, strictly.
+
+    Unknown keys raise with the dotted path under ``path`` and a close-match suggestion; values
+    are checked against the field types. Shared by every strict config of the package.
+    """
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: invalid value {data!r}; allowed: a mapping")
     fields = {_key(f): f for f in dataclasses.fields(base)}
@@ -679,5 +689,5 @@ def load_config(
     name = preset if preset is not None else name
     config = MechMonConfig()
     if name is not None:
-        config = _overlay(config, load_preset(name), f"{ROOT}(preset {name})")
-    return _overlay(config, data, ROOT)
+        config = overlay(config, load_preset(name), f"{ROOT}(preset {name})")
+    return overlay(config, data, ROOT)

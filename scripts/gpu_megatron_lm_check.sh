@@ -7,7 +7,7 @@
 #    python -m mechmon_megatron.launch.megatron (no torchrun: it would report exit code 1).
 #    Injected fault: the mechmon config bounds global/loss above by 0 from step ARM_STEP on, so
 #    the first monitored step >= ARM_STEP raises the alarm (action checkpoint_and_exit).
-#    Expected: exit code 86, $WORK_DIR/ckpt/mechmon_alarm.json, the alarm checkpoint
+#    Expected: exit code 86, $WORK_DIR/ckpt/alarm.json, the alarm checkpoint
 #    iter_NNNNNNN (with mechmon_rank0.pt) as Megatron's latest checkpoint.
 # 2. The same command again (resume from the alarm checkpoint): exit code 86 before any step, the
 #    latest checkpoint unchanged.
@@ -73,7 +73,7 @@ echo "== run 1: train until the alarm (work dir $WORK_DIR)"
 rc=0
 run_megatron >"$WORK_DIR/run1.log" 2>&1 || rc=$?
 [[ "$rc" == 86 ]] || fail "run 1 exit code $rc, expected 86 (log: $WORK_DIR/run1.log)"
-ALARM="$CKPT/mechmon_alarm.json"
+ALARM="$CKPT/alarm.json"
 [[ -f "$ALARM" ]] || fail "no $ALARM"
 STEP="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["alarm_step"])' "$ALARM")"
 ITER_DIR="$CKPT/$(printf 'iter_%07d' "$STEP")"

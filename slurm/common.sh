@@ -10,7 +10,7 @@
 #   never      <- alarm (exit code MECHMON_EXIT_CODE, default 86): the alarm report is printed
 #
 # torchrun reports any failed worker as exit code 1, so the alarm is also recognised by a
-# mechmon_alarm.json under MECHMON_ALARM_DIR that is newer than the start of this attempt.
+# alarm.json under MECHMON_ALARM_DIR that is newer than the start of this attempt.
 #
 # MECHMON_DRY_RUN=1: no SLURM needed; a 2-node x 8-GPU allocation is simulated and every command
 # (srun, scontrol) is printed instead of run.
@@ -103,11 +103,11 @@ mechmon_srun_and_wait() {
   return "$rc"
 }
 
-# Newest mechmon_alarm.json under $1 modified after file $2 (empty if none).
+# Newest alarm.json under $1 modified after file $2 (empty if none).
 mechmon_fresh_alarm() {
   local dir=$1 stamp=$2
   [[ -d "$dir" ]] || return 0
-  find "$dir" -maxdepth 3 -name mechmon_alarm.json -newer "$stamp" -printf '%T@ %p\n' 2>/dev/null \
+  find "$dir" -maxdepth 3 -name alarm.json -newer "$stamp" -printf '%T@ %p\n' 2>/dev/null \
     | sort -rn | sed -n 1p | cut -d' ' -f2-
 }
 
@@ -189,7 +189,7 @@ mechmon_finish() {
       if [[ -n "$alarm_file" ]]; then
         mechmon_alarm_report "$alarm_file"
       else
-        echo "mechmon alarm: no fresh mechmon_alarm.json found under $alarm_dir"
+        echo "mechmon alarm: no fresh alarm.json found under $alarm_dir"
       fi
       return "$MECHMON_EXIT_CODE"
       ;;

@@ -86,8 +86,9 @@ def _rss_mib() -> float:
 
 def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     """Run the benchmark; one row per interval (see the module docstring)."""
+    from mechmon_megatron import comm
     from mechmon_megatron.integrations.megatron_core import attach
-    from mechmon_megatron.train.trainer import _init_world, _Trainer, load_train_config
+    from mechmon_megatron.train.trainer import _Trainer, load_train_config
 
     cfg = load_train_config({
         "steps": args.steps * (len(args.intervals) + 1), "log_interval": 0,
@@ -99,7 +100,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     import torch
 
     torch.set_num_threads(cfg.threads)
-    owns = _init_world()
+    owns = comm.init_world()
     scratch = tempfile.mkdtemp(prefix="mechmon_bench_")  # alarm files of the log action
     try:
         trainer = _Trainer(cfg)
@@ -138,7 +139,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         destroy_parallel()
         shutil.rmtree(scratch, ignore_errors=True)
         if owns:
-            torch.distributed.destroy_process_group()
+            comm.destroy_world()
 
 
 def run(args: argparse.Namespace) -> int:

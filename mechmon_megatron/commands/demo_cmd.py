@@ -11,7 +11,7 @@ checkpoint, mechmon writes its alarm file, and the demo keeps training only to s
 diverging afterwards. It then writes a plot and prints where everything is; the exit code is
 the alarm's (86).
 
-Files in DIR: ``alarm.json`` (a copy of mechmon's ``checkpoints/mechmon_alarm.json``),
+Files in DIR: ``alarm.json`` (a copy of mechmon's ``checkpoints/alarm.json``),
 ``metrics.jsonl`` (mechmon, one line per monitored step), ``train.jsonl`` (one line per step),
 ``run.json``, ``config.yaml``, ``demo.png``, ``checkpoints/iter_XXXXXXX/`` (every 50 steps and
 the alarm checkpoint, the latest). Resume from it with
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     result = train(train_cfg)
     alarm_src = Path(train_cfg.save_dir()) / ALARM_FILENAME
     if alarm_src.is_file():
-        shutil.copyfile(alarm_src, out / "alarm.json")
+        shutil.copyfile(alarm_src, out / ALARM_FILENAME)
     plot = plot_run(out, out / "demo.png")
     print(_summary(result, out, plot))
     if result.alarm is None:

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mechmon_megatron.config import _overlay, _require
+from mechmon_megatron.config import overlay, require
 
 __all__ = [
     "FAULT_KINDS",
@@ -63,9 +63,9 @@ class AttentionFaultConfig:
     """Seed of the per-step row selection (reseeded from (seed, layer, step) every step)."""
 
     def __post_init__(self) -> None:
-        _require(0 <= self.bits <= 7, "bits", self.bits, "an integer in 0..7")
-        _require(0.0 <= self.rate <= 1.0, "rate", self.rate, "a number in [0, 1]")
-        _require(
+        require(0 <= self.bits <= 7, "bits", self.bits, "an integer in 0..7")
+        require(0.0 <= self.rate <= 1.0, "rate", self.rate, "a number in [0, 1]")
+        require(
             bool(self.layers) and all(v >= 1 for v in self.layers),
             "layers",
             self.layers,
@@ -83,8 +83,8 @@ class LRFaultConfig:
     """0: step change at start_step; n > 0: linear ramp from 1 to factor over n steps."""
 
     def __post_init__(self) -> None:
-        _require(self.factor > 0, "factor", self.factor, "a number > 0")
-        _require(self.ramp_steps >= 0, "ramp_steps", self.ramp_steps, "an integer >= 0")
+        require(self.factor > 0, "factor", self.factor, "a number > 0")
+        require(self.ramp_steps >= 0, "ramp_steps", self.ramp_steps, "an integer >= 0")
 
 
 @dataclass
@@ -97,7 +97,7 @@ class RouterFaultConfig:
     """Set ``moe_aux_loss_coeff`` to 0 on every router from start_step."""
 
     def __post_init__(self) -> None:
-        _require(self.lr_multiplier > 0, "lr_multiplier", self.lr_multiplier, "a number > 0")
+        require(self.lr_multiplier > 0, "lr_multiplier", self.lr_multiplier, "a number > 0")
 
 
 @dataclass
@@ -119,16 +119,16 @@ class FaultConfig:
     """Kinds combined when ``kind: compound`` (two or more, distinct); empty otherwise."""
 
     def __post_init__(self) -> None:
-        _require(self.start_step >= 0, "start_step", self.start_step, "an integer >= 0")
+        require(self.start_step >= 0, "start_step", self.start_step, "an integer >= 0")
         if self.kind == "compound":
-            _require(
+            require(
                 len(self.compound) >= 2 and len(set(self.compound)) == len(self.compound),
                 "compound",
                 self.compound,
                 f"two or more distinct kinds of {FAULT_KINDS}",
             )
         else:
-            _require(not self.compound, "compound", self.compound, "[] unless kind: compound")
+            require(not self.compound, "compound", self.compound, "[] unless kind: compound")
 
     def kinds(self) -> tuple[str, ...]:
         """The elementary kinds injected: ``()`` for none, ``compound`` expanded."""
@@ -149,4 +149,4 @@ def load_fault_config(
     """
     if isinstance(data, FaultConfig):
         return data
-    return _overlay(FaultConfig(), data or {}, root)
+    return overlay(FaultConfig(), data or {}, root)

@@ -29,7 +29,7 @@ the last stage at the optimizer step (``None`` on other stages).
 Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by MechMon, inside
 ``_take_model_step``): every rank calls ``engine.save_checkpoint(save_dir,
 tag="global_step<N>", client_state={"mechmon": ...})`` (the monitor state holds the alarm), barrier,
-rank 0 writes ``<save_dir>/mechmon_alarm.json``, barrier, the sinks are closed and every rank raises
+rank 0 writes ``<save_dir>/alarm.json``, barrier, the sinks are closed and every rank raises
 ``SystemExit(actions.exit_code)`` (86 by default) out of ``engine.step()``. Loading that
 checkpoint unchanged re-raises the alarm in ``load`` (same exit code, before any step);
 ``actions.acknowledge: <alarm_id>`` re-arms detection on fresh baselines instead.
@@ -294,7 +294,7 @@ class DeepSpeedMechMon:
         self._begun = None
         self._losses = []
         # DeepSpeed returns the model-states file; the checkpoint is its <load_dir>/<tag> folder,
-        # so a re-raised alarm rewrites <load_dir>/mechmon_alarm.json where it was first written.
+        # so a re-raised alarm rewrites <load_dir>/alarm.json where it was first written.
         self.mon.check_resume(os.path.dirname(str(path)) if path is not None else None)
         return result
 

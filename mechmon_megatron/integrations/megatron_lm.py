@@ -24,7 +24,7 @@ Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by Me
 
 1. ``end_step`` calls :class:`MegatronLMActions`: ``save_checkpoint(step)`` returns
    ``<save>/iter_NNNNNNN``, the checkpoint Megatron writes at the end of this iteration;
-   MechMon writes ``<save>/mechmon_alarm.json``; ``request_exit(code)`` records the code.
+   MechMon writes ``<save>/alarm.json``; ``request_exit(code)`` records the code.
 2. The wrapped ``train_step`` returns ``exit_code = code`` (unless Megatron's rerun state machine
    already asked to exit with 16/17: that wins) and, with ``--exit-signal-handler``, sets
    ``get_signal_handler()._signal_received``.

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.config import _require
+from mechmon_megatron.config import require
 
 __all__ = ["DataConfig", "TextData", "corpus_files", "read_corpus"]
 
@@ -47,13 +47,13 @@ class DataConfig:
     """Batches of ``global_batch_size`` windows in one validation pass."""
 
     def __post_init__(self) -> None:
-        _require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size,
+        require(self.global_batch_size > 0, "global_batch_size", self.global_batch_size,
                  "an integer > 0")
-        _require(self.max_bytes >= 4096, "max_bytes", self.max_bytes, "an integer >= 4096")
-        _require(0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction,
+        require(self.max_bytes >= 4096, "max_bytes", self.max_bytes, "an integer >= 4096")
+        require(0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction,
                  "a number in (0, 0.5)")
-        _require(self.eval_interval >= 0, "eval_interval", self.eval_interval, "an integer >= 0")
-        _require(self.eval_batches > 0, "eval_batches", self.eval_batches, "an integer > 0")
+        require(self.eval_interval >= 0, "eval_interval", self.eval_interval, "an integer >= 0")
+        require(self.eval_batches > 0, "eval_batches", self.eval_batches, "an integer > 0")
 
 
 def corpus_files(root: str | Path | None = None) -> list[Path]:

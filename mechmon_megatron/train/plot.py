@@ -2,7 +2,7 @@
 
 A run directory holds mechmon's ``metrics.jsonl`` (one line per monitored step, any framework)
 and, from the reference trainer, ``train.jsonl`` (one line per step) and ``run.json``. The alarm
-comes from ``alarm.json`` / ``mechmon_alarm.json`` in the directory or its ``checkpoints/`` (the
+comes from ``alarm.json`` in the directory or its ``checkpoints/`` (the
 file names the alarm checkpoint), else from the last ``metrics.jsonl`` line with one.
 
 Panels (shared step axis): loss (per step when ``train.jsonl`` exists, else ``global/loss``),
@@ -91,8 +91,7 @@ def read_run(run_dir: str | os.PathLike[str]) -> RunData:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl or train.jsonl")
     if (run_dir / "run.json").is_file():
         data.result = json.loads((run_dir / "run.json").read_text())
-    for candidate in (run_dir / "alarm.json", run_dir / ALARM_FILENAME,
-                      run_dir / "checkpoints" / ALARM_FILENAME):
+    for candidate in (run_dir / ALARM_FILENAME, run_dir / "checkpoints" / ALARM_FILENAME):
         if candidate.is_file():
             data.alarm = json.loads(candidate.read_text())
             return data

@@ -34,11 +34,9 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, Literal
 
@@ -47,7 +45,7 @@ import yaml
 
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import jsonable
-from mechmon_megatron.config import MechMonConfig, _overlay, _require, load_config
+from mechmon_megatron.config import MechMonConfig, load_config, overlay, require
 from mechmon_megatron.faults.config import FaultConfig
 from mechmon_megatron.train.data import DataConfig, TextData
 from mechmon_megatron.train.model import ModelSpec, ParallelSpec
@@ -91,11 +89,11 @@ class OptimConfig:
     """Static LR ratio of the MoE router param group (the router fault multiplies on top)."""
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "lr", self.lr, "a number > 0")
-        _require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, "a number in [0, lr]")
-        _require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-        _require(self.clip_grad >= 0, "clip_grad", self.clip_grad, "a number >= 0")
-        _require(self.router_lr_multiplier > 0, "router_lr_multiplier",
+        require(self.lr > 0, "lr", self.lr, "a number > 0")
+        require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, "a number in [0, lr]")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.clip_grad >= 0, "clip_grad", self.clip_grad, "a number >= 0")
+        require(self.router_lr_multiplier > 0, "router_lr_multiplier",
                  self.router_lr_multiplier, "a number > 0")
 
 
@@ -113,7 +111,7 @@ class CheckpointConfig:
     """Resume from this iteration directory or save directory (its latest); null: fresh."""
 
     def __post_init__(self) -> None:
-        _require(self.save_interval >= 0, "save_interval", self.save_interval, "an integer >= 0")
+        require(self.save_interval >= 0, "save_interval", self.save_interval, "an integer >= 0")
 
 
 @dataclass
@@ -158,12 +156,12 @@ class TrainConfig:
     """The mechmon configuration (same schema as ``--mechmon-config``; ``preset:`` allowed)."""
 
     def __post_init__(self) -> None:
-        _require(self.steps > 0, "steps", self.steps, "an integer > 0")
-        _require(self.threads >= 0, "threads", self.threads, "an integer >= 0")
-        _require(self.log_interval >= 0, "log_interval", self.log_interval, "an integer >= 0")
-        _require(self.divergence_margin > 0, "divergence_margin", self.divergence_margin,
+        require(self.steps > 0, "steps", self.steps, "an integer > 0")
+        require(self.threads >= 0, "threads", self.threads, "an integer >= 0")
+        require(self.log_interval >= 0, "log_interval", self.log_interval, "an integer >= 0")
+        require(self.divergence_margin > 0, "divergence_margin", self.divergence_margin,
                  "a number > 0")
-        _require(self.parallel.pp == 1, "parallel.pp", self.parallel.pp,
+        require(self.parallel.pp == 1, "parallel.pp", self.parallel.pp,
                  "1 (the reference trainer has no pipeline schedule)")
 
     def save_dir(self) -> str:
@@ -201,7 +199,7 @@ def load_train_config(source: str | os.PathLike[str] | Mapping[str, Any] | Train
         raise ValueError(f"{ROOT}: invalid value {data!r}; allowed: a mapping")
     data = dict(data)
     mechmon = load_config(data.pop("mechmon", None))
-    return dataclasses.replace(_overlay(TrainConfig(), data, ROOT), mechmon=mechmon)
+    return dataclasses.replace(overlay(TrainConfig(), data, ROOT), mechmon=mechmon)
 
 
 def lr_factor(optim: OptimConfig, steps: int, step: int) -> float:
@@ -243,21 +241,6 @@ class RunResult:
     """The run directory."""
 
 
-def _init_world() -> bool:
-    """Initialise a process group when none exists: from torchrun's environment (gloo), or a
-    single rank over a private file store. Returns True when this call created it."""
-    # torch.distributed is reached through comm elsewhere; comm has no init helper yet.
-    dist = torch.distributed
-    if dist.is_initialized():
-        return False
-    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
-    else:
-        store = os.path.join(tempfile.mkdtemp(prefix="mechmon_pg_"), "store")
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    return True
-
-
 def run(cfg: TrainConfig | Mapping[str, Any] | str) -> RunResult:
     """Train as configured; every rank calls it.
 
@@ -271,7 +254,7 @@ def run(cfg: TrainConfig | Mapping[str, Any] | str) -> RunResult:
     start = time.time()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    owns_world = _init_world()
+    owns_world = comm.init_world()
     try:
         return _Trainer(cfg).train(start)
     finally:
@@ -279,7 +262,7 @@ def run(cfg: TrainConfig | Mapping[str, Any] | str) -> RunResult:
 
         destroy_parallel()
         if owns_world:
-            torch.distributed.destroy_process_group()
+            comm.destroy_world()
 
 
 class _JsonLines:

@@ -147,7 +147,7 @@ def _dense_worker(rank: int, world_size: int, tmp: str) -> dict:
     out["exit_step"] = engine.global_steps
     out["state"] = {"monitored": mm.mon.monitored_steps, "alarm_id": mm.mon.alarm.alarm_id}
     out["alarm_file"] = json.loads(
-        (pathlib.Path(save_dir) / "mechmon_alarm.json").read_text())
+        (pathlib.Path(save_dir) / "alarm.json").read_text())
 
     engine = _engine(2, block)
     resumed = attach(engine, save_dir=save_dir)

@@ -411,7 +411,7 @@ def test_a_healthy_run_exits_0_and_saves_monitor_state_beside_each_checkpoint(ru
     assert events[0] == ("main", {"sys_path0": str(run.tmp)})
     for iteration in (5, 10, 12):
         assert (run.save / f"iter_{iteration:07d}" / "mechmon_rank0.pt").is_file()
-    assert not (run.save / "mechmon_alarm.json").exists()
+    assert not (run.save / "alarm.json").exists()
 
 
 @pytest.mark.parametrize("signal_handler", [False, True], ids=["decide_exit", "signal_flag"])
@@ -421,7 +421,7 @@ def test_an_alarm_saves_through_megatron_writes_the_alarm_file_and_exits_86(run,
                             "--fault-lr-scale", "1e6", *flags)
     assert code == 86, out
     steps, saves = _steps(events), _saves(events)
-    alarm = json.loads((run.save / "mechmon_alarm.json").read_text())
+    alarm = json.loads((run.save / "alarm.json").read_text())
     step = alarm["alarm_step"]
     assert 12 <= step < 40 and steps[-1] == step, (steps, alarm)
     assert saves[-1] == step and saves.count(step) == 1
@@ -438,7 +438,7 @@ def test_resuming_the_alarm_checkpoint_reraises_before_any_step_until_acknowledg
     code, events, out = run("--train-iters", "40", "--save-interval", "5", "--fault-step", "12",
                             "--fault-lr-scale", "1e6")
     assert code == 86, out
-    alarm = json.loads((run.save / "mechmon_alarm.json").read_text())
+    alarm = json.loads((run.save / "alarm.json").read_text())
 
     code, events, out = run("--train-iters", "40", "--save-interval", "5")
     assert code == 86, out
@@ -451,7 +451,7 @@ def test_resuming_the_alarm_checkpoint_reraises_before_any_step_until_acknowledg
                             config=run.config(acknowledge=alarm["alarm_id"]))
     assert _steps(events)[0] == alarm["alarm_step"] + 1, out
     if code == 86:
-        assert json.loads((run.save / "mechmon_alarm.json").read_text())["alarm_id"] != (
+        assert json.loads((run.save / "alarm.json").read_text())["alarm_id"] != (
             alarm["alarm_id"])
     else:
         assert code == 0, out

@@ -101,7 +101,7 @@ case "$FAKE_SCENARIO" in
   exit:*) exit "${FAKE_SCENARIO#exit:}" ;;
   alarm:*)
     mkdir -p "$CHECKPOINT_DIR"
-    printf '%s' "$FAKE_ALARM" > "$CHECKPOINT_DIR/mechmon_alarm.json"
+    printf '%s' "$FAKE_ALARM" > "$CHECKPOINT_DIR/alarm.json"
     exit "${FAKE_SCENARIO#alarm:}" ;;
   preempt)
     trap 'echo "srun got TERM" >> "$FAKE_LOG"; exit 0' TERM
@@ -183,7 +183,7 @@ def test_the_alarm_exit_code_is_never_requeued_and_the_report_is_printed(job):
     code, out, calls = job("alarm:86")
     assert code == 86, out
     assert not _requeued(calls)
-    assert f"mechmon alarm report: {job.ckpt}/mechmon_alarm.json" in out
+    assert f"mechmon alarm report: {job.ckpt}/alarm.json" in out
     assert "fault_class: attention_entropy_collapse" in out
     assert "actions.acknowledge: 0123456789ab" in out
 
@@ -196,7 +196,7 @@ def test_an_alarm_behind_torchruns_exit_code_1_is_recognised_by_its_fresh_alarm_
 
 def test_an_old_alarm_file_does_not_turn_a_crash_into_an_alarm(job):
     job.ckpt.mkdir()
-    old = job.ckpt / "mechmon_alarm.json"
+    old = job.ckpt / "alarm.json"
     old.write_text(json.dumps(ALARM))
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     code, out, calls = job("exit:1")
@@ -243,7 +243,7 @@ def test_preemption_forwards_sigterm_to_srun_and_requeues(job, sig):
 def test_the_single_node_launcher_reports_an_alarm_behind_torchruns_exit_code_1(tmp_path):
     torchrun = tmp_path / "torchrun"
     torchrun.write_text('#!/bin/bash\necho "torchrun $*" > "$FAKE_LOG"\n'
-                        'printf \'%s\' "$FAKE_ALARM" > "$CHECKPOINT_DIR/mechmon_alarm.json"\n'
+                        'printf \'%s\' "$FAKE_ALARM" > "$CHECKPOINT_DIR/alarm.json"\n'
                         'exit 1\n')
     torchrun.chmod(0o755)
     env = _clean_env(TORCHRUN=str(torchrun), FAKE_LOG=str(tmp_path / "log"),

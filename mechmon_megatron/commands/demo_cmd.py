@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,9 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(cfg, sort_keys=False), end="")
         return 0
+    # megatron-core announces its CPU fallbacks (no Apex / Transformer Engine) at import; on the
+    # demo's CPU run they are expected, and a newcomer should see the monitor's output instead.
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
     from mechmon_megatron.alarm import ALARM_FILENAME
     from mechmon_megatron.train.plot import plot_run
     from mechmon_megatron.train.trainer import load_train_config

@@ -78,7 +78,9 @@ class SignalChannel:
         self.nonfinite = 0
 
     def update(self, step: int, value: float) -> list[Finding]:
-        """Feed one sample to every detector, then to the baseline."""
+        """Feed one sample to every detector, then to the baseline (NaN: not observed, skip)."""
+        if math.isnan(value):
+            return []
         finite = math.isfinite(value)
         if not finite:
             self.nonfinite += 1
@@ -192,8 +194,9 @@ class DetectorBank:
     def update(self, step: int, signals: Mapping[str, float]) -> list[Finding]:
         """Feed one monitored step's signal table.
 
-        A watched name absent from ``signals`` is not observed this step and skipped; a NaN or
-        infinite value is counted as non-finite (and, for the loss, is a ``nonfinite`` finding).
+        A watched name absent from ``signals`` or NaN there is not observed this step and
+        skipped; an infinite value (the reduced table's "observed, not finite") is counted as
+        non-finite and, for the loss, is a ``nonfinite`` finding.
 
         Returns:
             Findings of this step, ordered by signal name, then detector order.

@@ -282,23 +282,21 @@ class ZSpike(Detector):
 
 
 class NonFinite(Detector):
-    """A NaN or infinite loss, once the loss has been seen finite, is a finding in itself.
+    """An observed non-finite loss is a finding in itself.
 
-    The reduced table carries "not observed this step" as NaN too; requiring one finite sample
-    first keeps a run that never reports its loss from alarming.
+    The reduced table (:func:`mechmon_megatron.signals.reduce_signals`) carries "observed, not
+    finite" as +inf and "not observed this step" as NaN; channels drop NaN before detectors see
+    it, so a step that simply reports no loss never alarms.
     """
 
     name = "nonfinite"
-    _state = ("seen_finite",)
+    _state = ()
     accepts_nonfinite = True
 
     def _clear(self) -> None:
-        self.seen_finite = False
+        pass
 
     def _update(self, step: int, value: float) -> Finding | None:
         if math.isfinite(value):
-            self.seen_finite = True
-            return None
-        if not self.seen_finite:
             return None
         return self._finding(step, step, value, math.nan, math.nan, math.inf)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.norms import fold_norm
 from mechmon_megatron.monitors.qk_update import QKSource
 
 __all__ = [
@@ -182,12 +183,11 @@ def split_fused_qkv(weight: torch.Tensor, num_heads: int, num_groups: int,
     return wq_HKD, wk_GKD
 
 
-def _fold(rows_NKD: torch.Tensor, norm: Any, weight_fn: Callable) -> torch.Tensor:
-    if norm is None:
-        return rows_NKD
-    if "rms" not in type(norm).__name__.lower():
-        rows_NKD = rows_NKD - rows_NKD.mean(dim=1, keepdim=True)
-    return rows_NKD * weight_fn(norm.weight).view(1, -1, 1)
+def _gamma(norm: Any, weight_fn: Callable) -> torch.Tensor | None:
+    """The norm's scale through ``weight_fn`` (gathered under ZeRO-3), collective-safe: every
+    rank reads the same modules."""
+    weight = getattr(norm, "weight", None)
+    return None if weight is None else weight_fn(weight)
 
 
 def _reader(info: dict[str, Any],
@@ -207,8 +207,8 @@ def _reader(info: dict[str, Any],
             wq_HKD, wk_GKD = split_fused_qkv(weight_fn(info["qkv"].weight), heads, groups,
                                              head_dim)
         # Norm weights are read after the projections, in the same order on every rank.
-        wq_HKD = _fold(wq_HKD.contiguous(), q_norm, weight_fn)
-        wk_GKD = _fold(wk_GKD.contiguous(), k_norm, weight_fn)
+        wq_HKD = fold_norm(wq_HKD.contiguous(), q_norm, _gamma(q_norm, weight_fn))
+        wk_GKD = fold_norm(wk_GKD.contiguous(), k_norm, _gamma(k_norm, weight_fn))
         return wq_HKD, wk_GKD
 
     return read

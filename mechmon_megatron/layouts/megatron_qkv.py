@@ -14,10 +14,9 @@ block is split over tp/ng ranks, and (as megatron's forward does) the rank all-g
 weight over TP, takes group ``r // (tp/ng)`` and query heads ``(r % (tp/ng)) * np/tp ...``.
 
 Per query head i with group g(i) the QK bilinear form is ``W_Q,i W_K,g^T`` with
-``W_Q,i = rows_q(i)^T`` (H x hn). qk-layernorm is folded: LayerNorm(q) = gamma * C q / rms(q)
-with the centring projection C = I - 11^T/hn, so rows become ``diag(gamma) C rows``; the
-data-dependent 1/rms factor and the bias beta are ignored (they do not live in the weights).
-RMSNorm folds ``diag(gamma)`` only. RoPE is ignored (the weight form is monitored).
+``W_Q,i = rows_q(i)^T`` (H x hn). qk-layernorm is folded into the rows
+(:func:`mechmon_megatron.layouts.norms.fold_norm`: ``diag(gamma) C rows`` for LayerNorm, the
+data-dependent 1/rms and the bias ignored). RoPE is ignored (the weight form is monitored).
 
 Weights read (in order of preference): ``param.main_param`` when the optimizer keeps an fp32
 master copy (megatron ``Float16OptimizerWithFloat16Params``; with ``DistributedOptimizer`` the
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.norms import fold_norm
 
 __all__ = [
     "UnsupportedAttentionError",
@@ -63,7 +63,7 @@ def find_attention_modules(model_chunks: list[torch.nn.Module]) -> list[tuple[st
                 raise UnsupportedAttentionError(
                     f"{qualified} is {kind}: multi-latent attention is not supported by the QK "
                     "monitor yet (the QK form lives in the latent up-projections); set "
-                    "qk.enabled: false or qk.layers to exclude these layers"
+                    "qk.enabled: false"
                 )
             if kind.endswith("SelfAttention") or kind == "Attention":
                 if not hasattr(module, "linear_qkv"):
@@ -117,20 +117,29 @@ def qk_layout(attn: Any, tp_rank: int, tp_size: int) -> dict[str, Any]:
 
 
 def fp32_weight(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:
-    """An fp32 copy of the weights the optimizer updates (see the module docstring)."""
-    main = getattr(param, "main_param", None)
-    if main is not None and getattr(param, "main_param_sharded", False):
+    """An fp32 copy of the weights the optimizer updates (see the module docstring).
+
+    Under ``DistributedOptimizer`` every DP rank takes the same branch (``main_param_sharded``
+    is set on all of them, also on ranks that own no slice of this parameter, whose
+    ``main_param`` is None) and joins the same SUM all-reduce, contributing zeros outside its
+    slice. With the precision-aware optimizer the fp32 copy lives inside the fused optimizer;
+    then the (synchronised) model weight is read on every rank.
+    """
+    if getattr(param, "main_param_sharded", False):
         owner = _owning_optimizer(optimizer, param)
         if owner is None:
-            raise ValueError(
-                "parameter has a DP-sharded main_param but no DistributedOptimizer "
-                "owning it was given; pass the optimizer to the monitor"
-            )
-        full = torch.zeros(param.numel(), dtype=torch.float32, device=main.device)
-        rng = owner._get_model_param_range_map(param)["param"]
-        full[rng.start : rng.end] = main.detach().float().view(-1)
+            raise ValueError("parameter has a DP-sharded main_param but no DistributedOptimizer "
+                             "owning it was given; pass the optimizer to the monitor")
+        if getattr(getattr(owner, "config", None), "use_precision_aware_optimizer", False):
+            return param.detach().float().clone()
+        main = getattr(param, "main_param", None)
+        full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+        if main is not None:
+            rng = owner._get_model_param_range_map(param)["param"]
+            full[rng.start:rng.end] = main.detach().float().view(-1)
         full = comm.all_reduce_sum(full, owner.data_parallel_group)
         return full.view(param.shape)
+    main = getattr(param, "main_param", None)
     if main is not None:
         return main.detach().float().view(param.shape).clone()
     if type(param).__module__.startswith("transformer_engine"):
@@ -140,26 +149,17 @@ def fp32_weight(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tenso
 
 
 def _owning_optimizer(optimizer: Any, param: torch.nn.Parameter) -> Any:
+    """The (chained) sub-optimizer whose grad buffers hold ``param``: the same on every DP rank."""
     subs = getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer else [])
     for sub in subs:
-        try:
-            sub._get_model_param_range_map(param)
+        if param in getattr(sub, "model_param_gbuf_map", {}):
             return sub
-        except (AttributeError, KeyError):
-            continue
     return None
 
 
-def _fold_norm(rows_NKD: torch.Tensor, norm: Any) -> torch.Tensor:
-    """Fold a per-head q/k norm into weight rows: ``diag(gamma) C rows`` (C = centring)."""
-    if norm is None:
-        return rows_NKD
-    gamma = getattr(norm, "weight", None)
-    if "LayerNorm" in type(norm).__name__:
-        rows_NKD = rows_NKD - rows_NKD.mean(dim=1, keepdim=True)
-    if gamma is not None:
-        rows_NKD = rows_NKD * gamma.detach().float().view(1, -1, 1)
-    return rows_NKD
+def _gamma(norm: Any) -> torch.Tensor | None:
+    weight = getattr(norm, "weight", None)
+    return None if weight is None else weight.detach().float()
 
 
 def read_qk_rows(
@@ -195,6 +195,7 @@ def read_qk_rows(
         heads_per_rank = np_ // tp_size
         first = (tp_rank % (tp_size // ng)) * heads_per_rank
         wq_NKD = wq_NKD[first : first + heads_per_rank]
-    wq_NKD = _fold_norm(wq_NKD.contiguous(), getattr(attn, "q_layernorm", None))
-    wk_GKD = _fold_norm(wk_GKD.contiguous(), getattr(attn, "k_layernorm", None))
+    q_norm, k_norm = getattr(attn, "q_layernorm", None), getattr(attn, "k_layernorm", None)
+    wq_NKD = fold_norm(wq_NKD.contiguous(), q_norm, _gamma(q_norm))
+    wk_GKD = fold_norm(wk_GKD.contiguous(), k_norm, _gamma(k_norm))
     return wq_NKD, wk_GKD

@@ -99,16 +99,17 @@ def test_zero_mad_warmup_is_floored_relative_to_the_location():
     assert _run(bank, [4.9] * 5, start=50 * INTERVAL)
 
 
-def test_nan_is_skipped_and_counted_but_a_nan_loss_after_a_finite_one_is_a_finding():
+def test_nan_is_not_observed_and_an_infinite_loss_is_a_finding():
     bank = DetectorBank(MechMonConfig.defaults(), [ATTN, LOSS, GRAD])
     assert bank.update(0, {ATTN: math.nan, GRAD: math.inf}) == []
-    assert bank.nonfinite_counts() == {ATTN: 1, GRAD: 1, LOSS: 0}
+    assert bank.nonfinite_counts() == {ATTN: 0, GRAD: 1, LOSS: 0}
     assert bank.update(1, {LOSS: 3.0, ATTN: 5.0}) == []
-    (finding,) = bank.update(2, {LOSS: math.nan, ATTN: 5.0})
+    assert bank.update(2, {LOSS: math.nan, ATTN: 5.0}) == []  # a step without a loss
+    (finding,) = bank.update(3, {LOSS: math.inf, ATTN: 5.0})
     assert (finding.detector, finding.family, finding.step, finding.alarm) == (
         "nonfinite",
         "global",
-        2,
+        3,
         True,
     )
     assert bank.nonfinite_counts()[LOSS] == 1

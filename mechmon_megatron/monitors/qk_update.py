@@ -349,9 +349,6 @@ class QKUpdateMonitor:
         w_G11 = weight_G.to(device, dtype).view(-1, 1, 1)
         n_groups = int(source.num_groups or heads_G * wk1.shape[0] // max(head_index.numel(), 1))
 
-        def reduce(x: torch.Tensor) -> torch.Tensor:
-            return comm.all_reduce_sum(x, group).to(torch.float64)
-
         if term == "delta2":
             g_H = source.group_index.to(device, torch.long)
             wq0_f = wq0.reshape(hk, d_model)
@@ -360,7 +357,7 @@ class QKUpdateMonitor:
                 x = x.to(device, dtype)
                 u = (wk0 @ x)[g_H].reshape(hk, -1)
                 v = (dwk_GKD @ x)[g_H].reshape(hk, -1)
-                return reduce(dwq.T @ u + wq0_f.T @ v)
+                return (dwq.T @ u + wq0_f.T @ v)
 
             def rmatmat(y: torch.Tensor) -> torch.Tensor:
                 y = y.to(device, dtype)
@@ -369,7 +366,7 @@ class QKUpdateMonitor:
                     0, g_H, (dwq @ y).view(-1, d_head, y.shape[1]))
                 b = torch.zeros(shape, device=device, dtype=dtype).index_add_(
                     0, g_H, (wq0_f @ y).view(-1, d_head, y.shape[1]))
-                return reduce(wk0.flatten(0, 1).T @ a.flatten(0, 1)
+                return (wk0.flatten(0, 1).T @ a.flatten(0, 1)
                               + dwk_GKD.flatten(0, 1).T @ b.flatten(0, 1))
 
             n_out, bound, fro2 = d_model, min(d_model, 2 * d_head * heads_G), None
@@ -377,11 +374,11 @@ class QKUpdateMonitor:
             def matmat(x: torch.Tensor) -> torch.Tensor:
                 z = torch.zeros(heads_G, d_head, x.shape[1], device=device, dtype=dtype)
                 z[head_index] = (dwq @ x.to(device, dtype)).view(-1, d_head, x.shape[1])
-                return reduce(z.flatten(0, 1))
+                return (z.flatten(0, 1))
 
             def rmatmat(y: torch.Tensor) -> torch.Tensor:
                 y_loc = y.to(device, dtype).view(heads_G, d_head, -1)[head_index]
-                return reduce(dwq.T @ y_loc.flatten(0, 1))
+                return (dwq.T @ y_loc.flatten(0, 1))
 
             n_out, fro2 = heads_G * d_head, fro2_q
             bound = min(n_out, d_model)
@@ -389,11 +386,11 @@ class QKUpdateMonitor:
             def matmat(x: torch.Tensor) -> torch.Tensor:
                 z = torch.zeros(n_groups, d_head, x.shape[1], device=device, dtype=dtype)
                 z.index_add_(0, gg, w_G11 * (dwk_GKD @ x.to(device, dtype)))
-                return reduce(z.flatten(0, 1))
+                return (z.flatten(0, 1))
 
             def rmatmat(y: torch.Tensor) -> torch.Tensor:
                 y_loc = w_G11 * y.to(device, dtype).view(n_groups, d_head, -1)[gg]
-                return reduce(dwk_GKD.flatten(0, 1).T @ y_loc.flatten(0, 1))
+                return (dwk_GKD.flatten(0, 1).T @ y_loc.flatten(0, 1))
 
             n_out, fro2 = n_groups * d_head, fro2_k
             bound = min(n_out, d_model)
@@ -402,6 +399,30 @@ class QKUpdateMonitor:
         term_id = LAYER_TERMS.index(term)
         generator = torch.Generator().manual_seed(
             (seed * 1_000_003 + source.layer * 7919 + term_id * 104_729 + step) % (2**62))
-        return subspace_iteration(matmat, rmatmat, d_model, n_out, generator, rank=cfg.rank,
-                                  oversample=cfg.oversample, power_iters=cfg.power_iters,
-                                  fro2=fro2, rank_bound=bound)
+        failed: list[BaseException] = []
+        result = subspace_iteration(
+            _guarded(matmat, n_out, group, failed), _guarded(rmatmat, d_model, group, failed),
+            d_model, n_out, generator, rank=cfg.rank, oversample=cfg.oversample,
+            power_iters=cfg.power_iters, fro2=fro2, rank_bound=bound)
+        # One more collective on every rank: a local failure anywhere makes the term NaN
+        # everywhere (the others summed a zero part in its place and would be silently wrong).
+        if float(comm.all_reduce_max(torch.tensor([float(bool(failed))]), group)[0]) > 0:
+            raise failed[0] if failed else RuntimeError("layer sketch failed on another rank")
+        return result
+
+
+def _guarded(local: Callable[[torch.Tensor], torch.Tensor], rows: int, group: comm.Group,
+             failed: list[BaseException]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> all_reduce_sum(local(x))`` that always issues its all-reduce: a rank whose local
+    part raises (out of memory, say) sends zeros of the agreed shape ``[rows, x.shape[1]]`` and
+    records the error, so the ranks of ``group`` stay in step."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        try:
+            part = local(x).to(torch.float64)
+        except Exception as exc:  # noqa: BLE001 - re-raised after the collectives
+            failed.append(exc)
+            part = torch.zeros(rows, x.shape[1], dtype=torch.float64)
+        return comm.all_reduce_sum(part, group)
+
+    return call

@@ -35,9 +35,12 @@ import logging
 import math
 import os
 import warnings
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.actions import FrameworkActions, ProcessExit, raise_alarm
@@ -166,6 +169,7 @@ class MechMon:
         self.interval = math.gcd(*[int(getattr(m, "interval", 1)) for m in self.monitors], 0) or 1
         self.framework = actions if actions is not None else ProcessExit()
         self.group = world_group
+        _check_same_on_every_rank(self.names, self.interval, world_group)
         if detectors is None:
             from mechmon_megatron.detect import DetectorBank
 
@@ -449,3 +453,22 @@ class MechMon:
             self._warned.add(key)
             logger.warning(message)
             warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _check_same_on_every_rank(names: Sequence[str], interval: int, group: comm.Group) -> None:
+    """One MAX all-reduce at attach time: every rank must declare the same signal table and
+    monitor interval, or the per-step reductions would pair mismatched shapes (a hang) or
+    mismatched names (a silently wrong table).
+
+    Raises:
+        ValueError: on every rank, naming what differs.
+    """
+    digest = zlib.crc32("\n".join(names).encode())
+    mine = [len(names), digest, interval]
+    both = comm.all_reduce_max(torch.tensor(mine + [-v for v in mine], dtype=torch.int64), group)
+    high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    if high != low:
+        raise ValueError(
+            "mechmon: ranks disagree on the monitored signals (count, name digest, interval: "
+            f"{low} .. {high}; this rank {mine}); every rank must see the same model layout and "
+            "the same mechmon config")

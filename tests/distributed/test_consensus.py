@@ -85,3 +85,18 @@ def test_orchestrator_on_four_ranks_acts_together_when_only_one_rank_trips(tmp_p
     assert on_disk.alarm_id == aid and len(on_disk.raised_at) == 2
     lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == step // 2
+
+
+def _mismatched(rank: int, world_size: int, root: str) -> str:
+    """Rank 1 sees a model with one more layer than the others."""
+    monitor = SyntheticMonitor(layers=2 + (rank == 1))
+    try:
+        MechMon(make_config(Path(root) / f"r{rank}")).attach([monitor], sinks=[])
+    except ValueError as exc:
+        return str(exc)
+    return "attached"
+
+
+def test_ranks_that_disagree_on_the_signal_table_are_refused_at_attach_on_every_rank(tmp_path):
+    messages = run_distributed(_mismatched, 3, str(tmp_path), timeout=60)
+    assert all("ranks disagree on the monitored signals" in m for m in messages), messages

@@ -18,7 +18,7 @@ DeepSpeed calls barrier and ``sys.exit``. Both are behind :class:`FrameworkActio
 in ``integrations/``. Without one, :class:`ProcessExit` saves nothing and raises ``SystemExit``.
 
 For ``log`` and ``warn`` rank 0 still writes the alarm file when a directory is known (beside the
-last checkpoint the framework reported, or the directory given to ``MechMon.attach``).
+last checkpoint the framework reported, or the monitor's ``output_dir``).
 """
 
 from __future__ import annotations

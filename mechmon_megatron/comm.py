@@ -34,6 +34,7 @@ __all__ = [
     "all_reduce_max",
     "all_gather_cat",
     "all_gather_object",
+    "all_gather_union",
     "broadcast_object",
     "barrier",
     "group_ranks",
@@ -136,6 +137,15 @@ def all_gather_object(obj: Any, group: Group = None) -> list[Any]:
     out: list[Any] = [None] * n
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def all_gather_union(local: dict[Any, Any], group: Group = None) -> dict[Any, Any]:
+    """Union of every rank's small ``{key: value}`` dict, sorted by key (e.g. the layers each
+    pipeline stage holds, so every rank can declare the whole model's signals)."""
+    merged: dict[Any, Any] = {}
+    for part in all_gather_object(dict(local), group):
+        merged.update(part)
+    return dict(sorted(merged.items()))
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Group = None) -> Any:

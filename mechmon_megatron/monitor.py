@@ -275,7 +275,8 @@ class MechMon:
                 Without it: where the alarm file was last written, else ``output_dir``.
 
         Returns:
-            A :class:`Verdict` carrying the re-raised alarm, or ``None`` when nothing was pending.
+            ``None`` when no alarm was pending; a :class:`Verdict` carrying the re-raised alarm;
+            or, after an acknowledgement, an unmonitored :class:`Verdict` without alarm.
         """
         pending = self.alarm
         agreed = consensus(pending is not None,
@@ -358,7 +359,11 @@ class MechMon:
         self.errors = int(counters["errors"])
 
     def close(self) -> None:
-        """Close the sinks (flush files, finish owned runs)."""
+        """Detach the monitors' hooks (those that install any) and close the sinks."""
+        for monitor in self.monitors:
+            close = getattr(monitor, "close", None)
+            if close is not None:
+                close()
         for sink in self.sinks:
             sink.close()
 

@@ -93,14 +93,6 @@ def engine_config(engine: Any,
     return load_config(block)
 
 
-def _all_layers(local: Mapping[int, Any]) -> dict[int, Any]:
-    """Union over ranks of ``{layer: value}`` (pipeline stages hold different layers)."""
-    merged: dict[int, Any] = {}
-    for part in comm.all_gather_object(dict(local)):
-        merged.update(part)
-    return dict(sorted(merged.items()))
-
-
 def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
     """The configured monitors over ``engine.module`` (collective: small metadata gathers).
 
@@ -120,7 +112,7 @@ def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
             raise ValueError("mechmon.qk: tensor-parallel DeepSpeed engines are not supported by "
                              "the HF-style QK layout; set qk.enabled: false")
         sources = hf_qk_sources(engine.module, comm.SELF)
-        layers = _all_layers({s.layer: s.num_heads for s in sources})
+        layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
         if not layers:
             raise ValueError("mechmon.qk.enabled is true but the model has no attention module "
                              "with q_proj/k_proj or a fused query_key_value/linear_qkv; set "
@@ -131,7 +123,7 @@ def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
         from mechmon_megatron.monitors.router import RouterMonitor
 
         routers = topk_gate_sources(engine.module)
-        layers = _all_layers({r.layer: r.num_experts for r in routers})
+        layers = comm.all_gather_union({r.layer: r.num_experts for r in routers})
         if layers:
             monitors.append(RouterMonitor(config.router, routers, all_layers=list(layers)))
         elif config.router.enabled is True:

@@ -56,13 +56,6 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
     return sources
 
 
-def _all_layers(local: dict[int, int]) -> dict[int, int]:
-    merged: dict[int, int] = {}
-    for part in comm.all_gather_object(local):
-        merged.update(part)
-    return dict(sorted(merged.items()))
-
-
 def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
                    optimizer: Any = None) -> list[Any]:
     """The configured monitors over ``model_chunks`` (collective: one metadata all-gather).
@@ -73,7 +66,7 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
     monitors: list[Any] = []
     if config.qk.enabled:
         sources = qk_sources(model_chunks, optimizer)
-        all_layers = _all_layers({s.layer: s.num_heads for s in sources})
+        all_layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
         if not all_layers:
             raise ValueError("qk.enabled is true but the model has no megatron-core "
                              "SelfAttention layers; set qk.enabled: false")
@@ -83,8 +76,7 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         from mechmon_megatron.monitors.router import RouterMonitor
 
         routers = router_sources(model_chunks)
-        all_routers = sorted({layer for part in comm.all_gather_object(
-            [r.layer for r in routers]) for layer in part})
+        all_routers = list(comm.all_gather_union({r.layer: r.num_experts for r in routers}))
         if all_routers:
             monitors.append(RouterMonitor(config.router, routers, all_layers=all_routers))
         elif config.router.enabled is True:

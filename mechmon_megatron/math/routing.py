@@ -154,9 +154,6 @@ def routing_sums(
         raise ValueError(
             f"routing map {tuple(map_TE.shape)} does not match logits {tuple(z_TE.shape)}"
         )
-    if valid_T is not None:
-        keep_T = valid_T.reshape(-1)
-        z_TE, map_TE = z_TE[keep_T], map_TE[keep_T]
     if z_TE.shape[0] == 0:
         return empty_sums(num_experts, num_bins, z_TE.device)
     probs_TE, logp_TE, lse_T = token_distribution(z_TE, score_function)
@@ -164,15 +161,24 @@ def routing_sums(
     entropy_T1 = (probs_TE * logp_TE).sum(dim=-1, keepdim=True).neg_()
     top2_T2 = probs_TE.topk(2, dim=-1).values
     per_token_T5 = torch.cat([torch.ones_like(lse_T1), entropy_T1, top2_T2, lse_T1], dim=1)
+    load_TE = map_TE.to(per_token_T5.dtype)
+    # Padding is masked arithmetically (no boolean indexing, no bincount): nothing here waits
+    # for the device, so the hook never stalls a CUDA stream.
+    keep_T1 = (valid_T.reshape(-1, 1) if valid_T is not None
+               else torch.ones_like(lse_T1, dtype=torch.bool))
+    per_token_T5 = torch.where(keep_T1, per_token_T5, 0.0)
+    load_TE = torch.where(keep_T1, load_TE, 0.0)
     # Clamp after the cast: a NaN token (non-finite logits) lands in a valid bin, and its NaN
     # entropy sum marks the layer's quantiles NaN in routing_stats.
     bin_T = (entropy_T1.view(-1) * (num_bins / math.log(num_experts))).long()
-    hist_B = torch.bincount(bin_T.clamp_(0, num_bins - 1), minlength=num_bins)
     f64 = torch.float64
+    hist_B = torch.zeros(num_bins, dtype=f64, device=z_TE.device).scatter_add_(
+        0, bin_T.clamp_(0, num_bins - 1), keep_T1.view(-1).to(f64))
     sum_S = torch.cat(
-        [per_token_T5.sum(dim=0, dtype=f64), hist_B.to(f64), map_TE.sum(dim=0, dtype=f64)]
+        [per_token_T5.sum(dim=0, dtype=f64), hist_B, load_TE.sum(dim=0, dtype=f64)]
     )
-    return RoutingSums(sum_S, lse_T.max().to(f64))
+    lse_max = torch.where(keep_T1.view(-1), lse_T, -math.inf).max().to(f64)
+    return RoutingSums(sum_S, lse_max)
 
 
 def empty_sums(num_experts: int, num_bins: int, device: torch.device | str = "cpu") -> RoutingSums:

@@ -54,9 +54,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"mechmon drill: {campaign.name} campaign, {len(campaign.runs)} runs of "
           f"{campaign.steps} steps, {args.jobs} job(s), output {out}", flush=True)
     tick = time.time()
-    run_campaign(campaign, out, jobs=args.jobs, log=lambda line: print(line, flush=True))
+    walls = run_campaign(campaign, out, jobs=args.jobs, log=lambda line: print(line, flush=True))
     train_wall = time.time() - tick
-    report = write_report(campaign, out, train_wall, args.jobs, emulation_check(),
+    report = write_report(campaign, out, train_wall, len(walls), args.jobs, emulation_check(),
                           plots=not args.no_plots)
     print((out / "drill.md").read_text(), flush=True)
     print(f"mechmon drill: wrote {out / 'drill.json'} and {out / 'drill.md'} in "

@@ -133,7 +133,8 @@ def _markdown(report: dict[str, Any]) -> str:
         "",
         f"{len(report['runs'])} runs ({camp['steps']} steps each, seeds {camp['seeds']}), "
         f"fault start step {camp['fault_start']}; training wall time "
-        f"{report['train_wall_s']:.0f} s with {report['jobs']} parallel job(s).",
+        f"{report['train_wall_s']:.0f} s for {report['trained']} run(s) with {report['jobs']} "
+        "parallel job(s) (the others were reused from an earlier invocation).",
         "",
         "Divergence step: first step >= fault start at which the faulty run's loss is "
         "non-finite or its EMA (weight 0.1 per step) exceeds the healthy run's (same model, "
@@ -258,15 +259,15 @@ def _num(value: Any) -> float:
     return math.nan if value is None else float(value)
 
 
-def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, jobs: int,
-                 emulation: dict[str, Any], plots: bool = True) -> dict[str, Any]:
+def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, trained: int,
+                 jobs: int, emulation: dict[str, Any], plots: bool = True) -> dict[str, Any]:
     """Evaluate ``campaign`` and write ``drill.json``, ``drill.md`` and ``plots/*.png``.
 
     Args:
         campaign: the campaign whose runs are under ``out/runs``.
         out: output directory.
-        train_wall_s: wall time spent training by this invocation (seconds; runs reused from
-            an earlier invocation are not counted).
+        train_wall_s: wall time spent training by this invocation (seconds).
+        trained: runs trained by this invocation (the others were reused).
         jobs: parallel training jobs.
         emulation: :func:`mechmon_megatron.drill.emulation.emulation_check` result.
         plots: write one PNG per faulty run.
@@ -276,7 +277,8 @@ def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, jobs:
     """
     out = Path(out)
     body = evaluate_campaign(campaign, out)
-    report = {"campaign": campaign.describe(), "train_wall_s": train_wall_s, "jobs": jobs,
+    report = {"campaign": campaign.describe(), "train_wall_s": train_wall_s,
+              "trained": trained, "jobs": jobs,
               "emulation_check": emulation, **body, "plots": []}
     if plots:
         for row in body["runs"]:

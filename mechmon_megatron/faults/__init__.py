@@ -111,7 +111,7 @@ class Faults:
         if "lr" in kinds or "router" in kinds:
             if optimizer is None:
                 raise ValueError(f"fault.kind {cfg.kind!r} scales the LR: pass the optimizer")
-            self.scaler = GroupLRScaler(cfg, optimizer.param_groups)
+            self.scaler = GroupLRScaler(cfg, optimizer)
         if "router" in kinds and router_parameters(self.model_chunks):
             names = [g.get("name") for g in optimizer.param_groups]
             if "router" not in names:

@@ -82,18 +82,23 @@ def param_groups(
 
 
 class GroupLRScaler:
-    """Multiplies each param group's LR by its fault multiplier, keeping the base LR."""
+    """Multiplies each param group's LR by its fault multiplier, keeping the base LR.
 
-    def __init__(self, cfg: FaultConfig, param_groups: list[dict[str, Any]]) -> None:
+    Holds the optimizer, not its group list: ``Optimizer.load_state_dict`` (a resume) replaces
+    ``optimizer.param_groups`` with new dicts, and a scaler writing into the old ones would
+    silently stop applying the fault.
+    """
+
+    def __init__(self, cfg: FaultConfig, optimizer: Any) -> None:
         self.cfg = cfg
-        self.param_groups = param_groups
+        self.optimizer = optimizer
         self.base: dict[int, float] = {}
         self.written: dict[int, float] = {}
 
     def apply(self, step: int) -> list[float]:
         """Set ``group["lr"] = base * group_multiplier(step)`` on every group; the multipliers."""
         mults = []
-        for i, group in enumerate(self.param_groups):
+        for i, group in enumerate(self.optimizer.param_groups):
             lr = float(group["lr"])
             if self.written.get(i) != lr:
                 self.base[i] = lr

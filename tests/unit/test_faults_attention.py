@@ -4,6 +4,7 @@ and LR schedules (pure torch; no megatron)."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 import torch
@@ -185,7 +186,8 @@ def test_lr_fault_is_a_step_change_or_a_linear_ramp_and_never_compounds():
             "router": {"lr_multiplier": 3.0},
         }
     )
-    scaler = GroupLRScaler(both, groups)
+    optimizer = types.SimpleNamespace(param_groups=groups)
+    scaler = GroupLRScaler(both, optimizer)
     scaler.apply(1)
     assert [g["lr"] for g in groups] == [1e-3, 2e-3]
     for step in (2, 3, 4):  # constant LR loop: the base is kept, nothing compounds
@@ -194,3 +196,8 @@ def test_lr_fault_is_a_step_change_or_a_linear_ramp_and_never_compounds():
     groups[0]["lr"] = 5e-4  # a schedule wrote a new base
     scaler.apply(5)
     assert groups[0]["lr"] == pytest.approx(5e-3) and groups[1]["lr"] == pytest.approx(6e-2)
+    # A resume replaces the optimizer's group dicts: the fault keeps applying to the new ones.
+    optimizer.param_groups = groups = [dict(g) for g in groups]
+    groups[0]["lr"] = 5e-4
+    scaler.apply(6)
+    assert groups[0]["lr"] == pytest.approx(5e-3)

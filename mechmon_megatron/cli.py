@@ -1,8 +1,8 @@
 """The ``mechmon`` command line: one subcommand per module of :mod:`mechmon_megatron.commands`.
 
 Each command module exposes ``add_parser(subparsers) -> ArgumentParser`` and
-``run(args) -> int`` (the process exit code). Modules are imported only when listed here, and
-heavy imports (torch, megatron-core) happen inside ``run``.
+``run(args) -> int`` (the process exit code); heavy imports (torch, megatron-core) happen inside
+``run``, so ``mechmon --help`` is fast.
 """
 
 from __future__ import annotations
@@ -30,12 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Mechanism-driven monitors for LLM training instability.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_path in COMMANDS.values():
-        try:
-            module = importlib.import_module(module_path)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_path:
-                raise
-            continue
+        module = importlib.import_module(module_path)
         module.add_parser(sub).set_defaults(_run=module.run)
     return parser
 

@@ -25,4 +25,5 @@ def test_config_defaults_prints_yaml_that_validates(tmp_path, capsys):
     path.write_text("qk:\n  intervl: 10\n")
     assert main(["config", "validate", str(path)]) == 2
     captured = capsys.readouterr()
-    assert "mechmon.qk.intervl: unknown key; did you mean 'interval'?" in captured.out + captured.err
+    message = "mechmon.qk.intervl: unknown key; did you mean 'interval'?"
+    assert message in captured.out + captured.err

@@ -93,11 +93,15 @@ class RouterFaultConfig:
 
     lr_multiplier: float = 10.0
     """LR multiplier of the ``router`` param groups from start_step (> 0)."""
+    ramp_steps: int = 0
+    """0: the multiplier applies at once; n > 0: it rises linearly to lr_multiplier over n
+    steps (a gradual collapse, without a one-step gradient jolt)."""
     disable_aux_loss: bool = True
     """Set ``moe_aux_loss_coeff`` to 0 on every router from start_step."""
 
     def __post_init__(self) -> None:
         require(self.lr_multiplier > 0, "lr_multiplier", self.lr_multiplier, "a number > 0")
+        require(self.ramp_steps >= 0, "ramp_steps", self.ramp_steps, "an integer >= 0")
 
 
 @dataclass

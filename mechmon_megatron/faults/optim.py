@@ -26,22 +26,30 @@ from mechmon_megatron.faults.router import router_parameters
 __all__ = ["lr_multiplier", "group_multiplier", "param_groups", "GroupLRScaler"]
 
 
+def _ramped(factor: float, ramp_steps: int, start_step: int, step: int) -> float:
+    """``factor`` from ``start_step`` (a step change), or ``1 + (factor - 1) min(1, (t - t0 +
+    1) / ramp_steps)`` when ramped; 1 before ``start_step``."""
+    if step < start_step:
+        return 1.0
+    if ramp_steps == 0:
+        return factor
+    return 1.0 + (factor - 1.0) * min(1.0, (step - start_step + 1) / ramp_steps)
+
+
 def lr_multiplier(cfg: FaultConfig, step: int) -> float:
     """LR multiplier of every param group at ``step`` from the ``lr`` fault (1 without it)."""
-    if "lr" not in cfg.kinds() or step < cfg.start_step:
+    if "lr" not in cfg.kinds():
         return 1.0
-    factor, ramp = cfg.lr.factor, cfg.lr.ramp_steps
-    if ramp == 0:
-        return factor
-    return 1.0 + (factor - 1.0) * min(1.0, (step - cfg.start_step + 1) / ramp)
+    return _ramped(cfg.lr.factor, cfg.lr.ramp_steps, cfg.start_step, step)
 
 
 def group_multiplier(cfg: FaultConfig, step: int, name: str | None) -> float:
-    """Multiplier of one param group: :func:`lr_multiplier`, times the router fault's for
-    groups named ``router``."""
+    """Multiplier of one param group: :func:`lr_multiplier`, times the router fault's (step or
+    ramp) for groups named ``router``."""
     mult = lr_multiplier(cfg, step)
-    if name == "router" and "router" in cfg.kinds() and step >= cfg.start_step:
-        mult *= cfg.router.lr_multiplier
+    if name == "router" and "router" in cfg.kinds():
+        router = cfg.router
+        mult *= _ramped(router.lr_multiplier, router.ramp_steps, cfg.start_step, step)
     return mult
 
 

@@ -14,6 +14,7 @@ from mechmon_megatron.faults import (
     GroupLRScaler,
     bf16_flash_attention,
     biased_round,
+    group_multiplier,
     load_fault_config,
     lr_multiplier,
 )
@@ -177,6 +178,11 @@ def test_lr_fault_is_a_step_change_or_a_linear_ramp_and_never_compounds():
     assert [lr_multiplier(step_cfg, s) for s in (9, 10, 50)] == [1.0, 10.0, 10.0]
     ramp = load_fault_config({"kind": "lr", "start_step": 10, "lr": {"factor": 5, "ramp_steps": 4}})
     assert [lr_multiplier(ramp, s) for s in (9, 10, 11, 13, 20)] == [1.0, 2.0, 3.0, 5.0, 5.0]
+    router_ramp = load_fault_config(
+        {"kind": "router", "start_step": 10, "router": {"lr_multiplier": 5, "ramp_steps": 4}})
+    assert [group_multiplier(router_ramp, s, "router") for s in (9, 10, 13, 20)] == [
+        1.0, 2.0, 5.0, 5.0]
+    assert group_multiplier(router_ramp, 20, "default") == 1.0
     groups = [{"name": "default", "lr": 1e-3}, {"name": "router", "lr": 2e-3}]
     both = load_fault_config(
         {

@@ -11,13 +11,15 @@ their mechanism is the router's.
 | --------- | ----- | --------------------------------------------------------------------- |
 | attention | dense | round-away of 7 low bf16 mantissa bits of O_bar in layer 2, all rows   |
 | lr        | moe   | every LR ramped linearly to 30x over 200 steps                         |
-| router    | moe   | router LR x1000 and the load-balancing loss off                        |
+| router    | moe   | router LR ramped to x1000 over 100 steps, load-balancing loss off      |
 | compound  | moe   | attention (as above) + lr (as above)                                   |
 
 Strengths were tuned so that every fault diverges within 600 steps (seed 1234): the attention
 fault's loss gap passes 0.25 nats at ~395; an LR ramp to 10x costs only ~0.15 nats, to 30x it
 passes 0.25 at ~320 and 1 nat at ~520; router collapse with aux loss off costs ~0.13 nats at a
-router LR x100 and ~0.16 at x300 (capacity lost, no runaway), only x1000 passes 0.25 (~375).
+router LR x100 and ~0.16 at x300 (capacity lost, no runaway), only x1000 passes 0.25 (~375 as
+a step change, ~440 ramped over 100 steps; the ramp avoids a one-step gradient jolt that a
+grad-norm rule reads at once but that is not the collapse itself).
 
 Training never stops at an alarm (``on_alarm: log``, ``run_past_alarm``) so the divergence is
 observed. The detector settings of the drill (:data:`DRILL_DETECTORS`) are the campaign's, not
@@ -65,7 +67,7 @@ DEFAULT_SEEDS = (1234, 99, 7, 2024, 31337)
 
 _ATTENTION = {"mode": "round_away", "bits": 7, "rate": 1.0, "layers": [2], "where": "output"}
 _LR = {"factor": 30.0, "ramp_steps": 200}
-_ROUTER = {"lr_multiplier": 1000.0, "disable_aux_loss": True}
+_ROUTER = {"lr_multiplier": 1000.0, "ramp_steps": 100, "disable_aux_loss": True}
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "attention": ("dense", {"kind": "attention", "attention": _ATTENTION}),

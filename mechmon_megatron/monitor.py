@@ -24,7 +24,8 @@ raised until a resumed job acknowledges it (:meth:`MechMon.check_resume`, workfl
 ``alarm.py``).
 
 Coverage (each monitored step, in every sink record), per monitor family, over ranks:
-``found``, ``observed``, ``skipped``, ``errors`` (max over ranks of the per-rank counts) and
+``found``, ``observed``, ``skipped``, ``errors``, ``memory_bytes`` (max over ranks of the
+per-rank values; ``memory_bytes`` is what a monitor keeps between steps, e.g. QK snapshots) and
 ``observed_min`` (min over ranks: 0 shows a rank whose monitor read nothing); family ``mechmon``
 counts the orchestrator's own caught errors.
 """
@@ -54,6 +55,7 @@ from mechmon_megatron.alarm import (
     share_diagnosis,
     utc_now,
 )
+from mechmon_megatron.monitors.base import COVERAGE_KEYS
 from mechmon_megatron.signals import family_of, reduce_signals
 from mechmon_megatron.sinks import Sink, StepRecord, build_sinks
 
@@ -63,8 +65,6 @@ logger = logging.getLogger(__name__)
 
 GLOBAL_SIGNALS = ("global/grad_norm", "global/loss")
 """Signals the orchestrator adds from ``end_step(loss=..., grad_norm=...)``."""
-
-_COVERAGE_KEYS = ("found", "observed", "skipped", "errors")
 
 
 class Detectors(Protocol):
@@ -316,7 +316,7 @@ class MechMon:
 
     def coverage(self) -> dict[str, dict[str, int]]:
         """This rank's coverage counters per monitor family (plus ``mechmon`` errors)."""
-        out = {self._family_key(i): {k: int(cov.get(k, 0)) for k in _COVERAGE_KEYS}
+        out = {self._family_key(i): {k: int(cov.get(k, 0)) for k in COVERAGE_KEYS}
                for i, cov in enumerate(self._local_coverage())}
         out["mechmon"] = {"errors": self.errors}
         return out
@@ -430,16 +430,16 @@ class MechMon:
     def _coverage_payload(self) -> list[int]:
         payload: list[int] = []
         for cov in self._local_coverage():
-            counts = [int(cov.get(k, 0)) for k in _COVERAGE_KEYS]
+            counts = [int(cov.get(k, 0)) for k in COVERAGE_KEYS]
             payload += counts + [-counts[1]]
         return payload + [self.errors]
 
     def _coverage(self, agreed: Consensus) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
-        width = len(_COVERAGE_KEYS) + 1
+        width = len(COVERAGE_KEYS) + 1
         for i in range(len(self.monitors)):
             row = agreed.payload[i * width:(i + 1) * width]
-            entry = dict(zip(_COVERAGE_KEYS, row[:-1], strict=True))
+            entry = dict(zip(COVERAGE_KEYS, row[:-1], strict=True))
             entry["observed_min"] = -row[-1]
             out[self._family_key(i)] = entry
             if entry["found"] == 0:

@@ -15,8 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = ["Monitor", "COVERAGE_KEYS"]
 
-COVERAGE_KEYS = ("found", "observed", "skipped", "errors")
-"""Keys of :meth:`Monitor.coverage`."""
+COVERAGE_KEYS = ("found", "observed", "skipped", "errors", "memory_bytes")
+"""Keys of :meth:`Monitor.coverage` (a monitor may omit one: it counts as 0). ``memory_bytes``:
+what the monitor keeps between steps on this rank (the QK weight snapshots)."""
 
 
 @runtime_checkable
@@ -44,7 +45,7 @@ class Monitor(Protocol):
         ...
 
     def coverage(self) -> dict[str, int]:
-        """Counters ``found``, ``observed``, ``skipped``, ``errors`` of this rank."""
+        """Counters of this rank, keys from :data:`COVERAGE_KEYS`."""
         ...
 
     def state_dict(self) -> dict[str, Any]:

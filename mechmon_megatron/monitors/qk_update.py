@@ -183,9 +183,12 @@ class QKUpdateMonitor:
         return layer_stats(table) if self.config.per_head else {}
 
     def coverage(self) -> dict[str, int]:
-        """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring)."""
+        """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring) and
+        ``memory_bytes`` held by the snapshots."""
+        memory = sum(t.numel() * t.element_size() for snap in self.snapshots.values()
+                     for t in (snap["wq"], snap["wk"]))
         return {"found": len(self.sources), "observed": self._observed,
-                "skipped": self._skipped, "errors": self.errors}
+                "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshots (CPU tensors) with their steps, and the error counter."""

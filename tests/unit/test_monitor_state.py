@@ -253,7 +253,7 @@ def test_monitor_errors_are_counted_and_never_raised(tmp_path) -> None:
     assert mon.errors == 4
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[-1]["coverage"]["attn"] == {"found": 2, "observed": 0, "skipped": 2,
-                                             "errors": 1, "observed_min": 0}
+                                             "errors": 1, "memory_bytes": 0, "observed_min": 0}
     assert lines[-1]["coverage"]["mechmon"] == {"errors": 4}
 
 

@@ -168,7 +168,9 @@ def test_zero_update_and_non_finite_weights_give_defined_values_and_warn_once():
     messages = [str(w.message) for w in caught]
     assert sum("non-finite weights in layer 2" in m for m in messages) == 1
     assert any("zero delta2 update in layer 1" in m for m in messages)
-    assert coverage == {"found": 2, "observed": 1, "skipped": 1, "errors": 0}
+    snapshot_bytes = 2 * (HEADS + GROUPS) * D_HEAD * D_MODEL * 4  # two layers, fp32
+    assert coverage == {"found": 2, "observed": 1, "skipped": 1, "errors": 0,
+                        "memory_bytes": snapshot_bytes}
     assert monitor.coverage()["skipped"] == 2  # step 30: nothing moved, head 1 still NaN
 
 

@@ -358,6 +358,18 @@ class MechMon:
         self.monitored_steps = int(counters["monitored_steps"])
         self.errors = int(counters["errors"])
 
+    def load_state_if_all(self, state: Mapping[str, Any] | None) -> bool:
+        """Load ``state`` only if every rank has one; collective (one MAX all-reduce).
+
+        Detectors must stay identical across ranks, so a rank whose state file is missing or
+        unreadable makes every rank start on fresh baselines. Returns whether state was loaded.
+        """
+        missing = comm.all_reduce_max(torch.tensor([0 if state is not None else 1]))
+        if int(missing.item()) != 0:
+            return False
+        self.load_state_dict(state)
+        return True
+
     def close(self) -> None:
         """Detach the monitors' hooks (those that install any) and close the sinks."""
         for monitor in self.monitors:

@@ -276,11 +276,7 @@ class DeepSpeedMechMon:
         result = self._originals["load_checkpoint"](load_dir, tag, *args, **kwargs)
         path, client_state = result if isinstance(result, tuple) else (result, None)
         state = (client_state or {}).get(CONFIG_KEY) if path is not None else None
-        # Every rank loads or none does: the detectors must stay identical across ranks.
-        missing = comm.all_reduce_max(torch.tensor([0 if state is not None else 1]))
-        if int(missing.item()) == 0:
-            self.mon.load_state_dict(state)
-        elif path is not None:
+        if not self.mon.load_state_if_all(state) and path is not None:
             warnings.warn(f"mechmon: no monitor state in {path} on every rank; monitoring "
                           "starts on fresh baselines", RuntimeWarning, stacklevel=2)
         self._begun = None

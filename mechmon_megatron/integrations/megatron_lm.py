@@ -327,10 +327,7 @@ class MegatronLMHooks:
                     state = saved["mechmon"]
             except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
                 problem = f"{path} unreadable ({type(exc).__name__}: {exc})"
-        # Every rank loads or none does: the detectors must stay identical across ranks.
-        bad = comm.all_reduce_max(torch.tensor([0 if state is not None else 1]))
-        if int(bad.item()) == 0:
-            self.mon.load_state_dict(state)
+        if self.mon.load_state_if_all(state):
             return
         if problem is not None:
             warnings.warn(f"mechmon: monitor state of iteration {iteration} not restored "

@@ -88,6 +88,12 @@ class QKSource:
     sketch_group: comm.Group = None
     num_groups: int | None = None
 
+    def global_groups(self, local_groups: int) -> int:
+        """Global kv groups: ``num_groups``, or ``num_heads * G_loc / H_loc`` when unset."""
+        if self.num_groups is not None:
+            return int(self.num_groups)
+        return self.num_heads * local_groups // max(self.head_index.numel(), 1)
+
 
 def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
     """Per-layer mean/min/max over heads from the per-head signals of a table.
@@ -293,7 +299,6 @@ class QKUpdateMonitor:
     def _layer_signals(self, source: QKSource, step: int, pair: tuple | None) -> dict[str, float]:
         """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""
         group = source.sketch_group
-        n_loc = source.head_index.numel()
         ready = 0.0
         fro2_q = fro2_k = 0.0
         weight_G = gg_G = None
@@ -301,7 +306,7 @@ class QKUpdateMonitor:
             (wq0, wq1), (wk0, wk1) = pair
             finite = bool(torch.isfinite(wq1).all()) and bool(torch.isfinite(wk1).all()) and bool(
                 torch.isfinite(wq0).all()) and bool(torch.isfinite(wk0).all())
-            num_groups = source.num_groups or source.num_heads * wk1.shape[0] // max(n_loc, 1)
+            num_groups = source.global_groups(wk1.shape[0])
             per_group = max(source.num_heads // num_groups, 1)
             group_index = source.group_index.to(torch.long).cpu()
             local_groups = wk1.shape[0]
@@ -350,7 +355,7 @@ class QKUpdateMonitor:
         dwk_GKD = wk1 - wk0
         gg = gg_G.to(device)
         w_G11 = weight_G.to(device, dtype).view(-1, 1, 1)
-        n_groups = int(source.num_groups or heads_G * wk1.shape[0] // max(head_index.numel(), 1))
+        n_groups = source.global_groups(wk1.shape[0])
 
         if term == "delta2":
             g_H = source.group_index.to(device, torch.long)

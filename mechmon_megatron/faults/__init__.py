@@ -51,9 +51,17 @@ from mechmon_megatron.faults.config import (
     FAULT_KINDS,
     AttentionFaultConfig,
     FaultConfig,
+    FP8AttentionFaultConfig,
     LRFaultConfig,
     RouterFaultConfig,
     load_fault_config,
+)
+from mechmon_megatron.faults.fp8_attention import (
+    FP8FlashAttention,
+    FP8Scaler,
+    fp8_emulated_layers,
+    fp8_flash_attention,
+    install_fp8_attention,
 )
 from mechmon_megatron.faults.optim import (
     GroupLRScaler,
@@ -68,6 +76,7 @@ __all__ = [
     "AttentionFaultConfig",
     "LRFaultConfig",
     "RouterFaultConfig",
+    "FP8AttentionFaultConfig",
     "FaultConfig",
     "load_fault_config",
     "biased_round",
@@ -76,6 +85,11 @@ __all__ = [
     "install_bf16_attention",
     "install_attention",
     "emulated_layers",
+    "FP8Scaler",
+    "fp8_flash_attention",
+    "FP8FlashAttention",
+    "install_fp8_attention",
+    "fp8_emulated_layers",
     "lr_multiplier",
     "group_multiplier",
     "param_groups",
@@ -106,6 +120,11 @@ class Faults:
         self.cfg = cfg
         self.model_chunks = list(model_chunks)
         self.attention = install_attention(self.model_chunks, cfg)
+        self.fp8_attention: list[FP8FlashAttention] = []
+        if "fp8_attention" in cfg.kinds():
+            f8 = cfg.fp8_attention
+            self.fp8_attention = install_fp8_attention(
+                self.model_chunks, f8.layers, f8.scaling, f8.amax_history_len)
         kinds = cfg.kinds()
         self.scaler: GroupLRScaler | None = None
         if "lr" in kinds or "router" in kinds:
@@ -156,6 +175,9 @@ class Faults:
         for module in self.attention:
             module.reseed(att.seed, step)
             module.set_injection(on, att.mode, att.bits, att.rate, att.where)
+        f8 = self.cfg.fp8_attention
+        for fp8_module in self.fp8_attention:
+            fp8_module.set_injection(on, f8.delta, f8.o_skew)
         if self.scaler is not None:
             self.multipliers = self.scaler.apply(step)
         if (
@@ -181,6 +203,8 @@ class Faults:
             "start_step": self.cfg.start_step,
             "config": {k: v for k, v in settings.items() if k in self.cfg.kinds()},
             "attention_layers": [m.layer_number for m in self.attention],
+            "fp8_attention_layers": [m.layer_number for m in self.fp8_attention],
+            "fp8_emulated_layers": fp8_emulated_layers(self.model_chunks),
             "emulated_layers": emulated_layers(self.model_chunks),
             "active": self.last_step is not None and self.active(self.last_step),
             "last_step": self.last_step,
@@ -188,11 +212,22 @@ class Faults:
             "aux_loss_disabled": self.aux_loss_disabled,
         }
 
+    def _fp8_modules(self) -> dict[int, FP8FlashAttention]:
+        return {m.layer_number: m for chunk in self.model_chunks for m in chunk.modules()
+                if isinstance(m, FP8FlashAttention)}
+
     def state_dict(self) -> dict[str, Any]:
-        """LR bases (so a resumed run does not scale an already scaled LR)."""
-        return {"scaler": self.scaler.state_dict() if self.scaler else None}
+        """LR bases (so a resumed run does not scale an already scaled LR) and the amax
+        histories of every FP8 attention emulation on this rank (so it scales as before)."""
+        return {"scaler": self.scaler.state_dict() if self.scaler else None,
+                "fp8_scalers": {layer: m.scaler.state_dict()
+                                for layer, m in self._fp8_modules().items()}}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         if self.scaler is not None and sd.get("scaler") is not None:
             self.scaler.load_state_dict(sd["scaler"])
+        modules = self._fp8_modules()
+        for layer, scaler_sd in (sd.get("fp8_scalers") or {}).items():
+            if layer in modules:
+                modules[layer].scaler.load_state_dict(scaler_sd)

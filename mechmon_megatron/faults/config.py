@@ -28,11 +28,12 @@ __all__ = [
     "AttentionFaultConfig",
     "LRFaultConfig",
     "RouterFaultConfig",
+    "FP8AttentionFaultConfig",
     "FaultConfig",
     "load_fault_config",
 ]
 
-FAULT_KINDS = ("attention", "lr", "router")
+FAULT_KINDS = ("attention", "lr", "router", "fp8_attention")
 """Elementary fault kinds; ``compound`` combines two or more of them."""
 
 
@@ -105,10 +106,46 @@ class RouterFaultConfig:
 
 
 @dataclass
+class FP8AttentionFaultConfig:
+    """Stale delta in the FP8 flash-attention emulation (faults/fp8_attention.py).
+
+    From ``start_step`` the backward of the chosen layers takes the softmax-gradient row
+    correction from the saved FP8 output, ``delta = rowsum(dO * O)`` (stale: the backward
+    operands are quantized separately), and O's scale is ``2^o_skew`` times what its scaling
+    rule gives (an amax history ``o_skew`` binades stale: O's largest entries clip at the e4m3
+    max). ``delta: matched`` with the same ``o_skew`` is the healthy control (same forward,
+    delta recomputed from the quantized contraction, arXiv 2609.37852). A healthy baseline runs
+    ``attention: fp8_flash`` with the same ``scaling`` and ``amax_history_len``.
+    """
+
+    delta: Literal["stale", "matched"] = "stale"
+    """``stale`` (the fault) or ``matched`` (its control)."""
+    o_skew: float = 2.0
+    """Binades by which O's scale exceeds its rule (>= 0; 0: scale mismatch only)."""
+    layers: list[int] = field(default_factory=lambda: [2])
+    """Global 1-based layer numbers whose attention is faulty."""
+    scaling: Literal["delayed", "current"] = "delayed"
+    """Per-tensor scaling of the FP8 operands of emulated layers the fault installs."""
+    amax_history_len: int = 16
+    """Amax history length of delayed scaling (>= 1)."""
+
+    def __post_init__(self) -> None:
+        require(self.o_skew >= 0, "o_skew", self.o_skew, "a number >= 0")
+        require(self.amax_history_len >= 1, "amax_history_len", self.amax_history_len,
+                "an integer >= 1")
+        require(
+            bool(self.layers) and all(v >= 1 for v in self.layers),
+            "layers",
+            self.layers,
+            "a non-empty list of global 1-based layer numbers (>= 1)",
+        )
+
+
+@dataclass
 class FaultConfig:
     """Which fault to inject and when (``kind: none`` injects nothing)."""
 
-    kind: Literal["none", "attention", "lr", "router", "compound"] = "none"
+    kind: Literal["none", "attention", "lr", "router", "fp8_attention", "compound"] = "none"
     """The fault; ``compound`` injects every kind listed in ``compound`` at once."""
     start_step: int = 0
     """First step (the iteration number after the update, as the monitors count) with the
@@ -119,7 +156,10 @@ class FaultConfig:
     """Large learning rate."""
     router: RouterFaultConfig = field(default_factory=RouterFaultConfig)
     """Router collapse."""
-    compound: list[Literal["attention", "lr", "router"]] = field(default_factory=list)
+    fp8_attention: FP8AttentionFaultConfig = field(default_factory=FP8AttentionFaultConfig)
+    """Stale delta in FP8 attention."""
+    compound: list[Literal["attention", "lr", "router", "fp8_attention"]] = field(
+        default_factory=list)
     """Kinds combined when ``kind: compound`` (two or more, distinct); empty otherwise."""
 
     def __post_init__(self) -> None:
@@ -130,6 +170,12 @@ class FaultConfig:
                 "compound",
                 self.compound,
                 f"two or more distinct kinds of {FAULT_KINDS}",
+            )
+            require(
+                not {"attention", "fp8_attention"} <= set(self.compound),
+                "compound",
+                self.compound,
+                "at most one of 'attention', 'fp8_attention' (both replace core attention)",
             )
         else:
             require(not self.compound, "compound", self.compound, "[] unless kind: compound")

@@ -123,9 +123,11 @@ class TrainConfig:
     ``output_dir`` is set to it."""
     steps: int = 300
     """Last training step (a resumed run continues up to it)."""
-    attention: Literal["local", "bf16_flash"] = "local"
+    attention: Literal["local", "bf16_flash", "fp8_flash"] = "local"
     """Core attention of every layer: megatron's local kernel or the bf16 flash emulation (a
-    healthy baseline of an attention drill uses ``bf16_flash`` to match the faulty run)."""
+    healthy baseline of an attention drill uses ``bf16_flash`` to match the faulty run), or the
+    FP8 flash emulation with matched delta and delayed scaling (history 16; the healthy
+    baseline of an ``fp8_attention`` drill)."""
     threads: int = 1
     """torch intra-op threads per rank on CPU (0: torch's default). One thread is fastest for
     the tiny models here, and ranks sharing cores do not oversubscribe them."""
@@ -331,6 +333,10 @@ class _Trainer:
         self.model = build_gpt(cfg.model, cfg.parallel)
         if cfg.attention == "bf16_flash":
             install_bf16_attention([self.model], "all")
+        elif cfg.attention == "fp8_flash":
+            from mechmon_megatron.faults import install_fp8_attention
+
+            install_fp8_attention([self.model], "all")
         for p in self.model.parameters():
             # Every rank reduces the same list of gradients, also for an expert that got no
             # tokens this step (sync_grads skips parameters whose grad is None).

@@ -20,6 +20,7 @@ COMMANDS = {
     "report": "mechmon_megatron.commands.report_cmd",
     "bench": "mechmon_megatron.commands.bench_cmd",
     "config": "mechmon_megatron.commands.config_cmd",
+    "scan": "mechmon_megatron.commands.scan_cmd",
 }
 """Subcommand name -> module path."""
 

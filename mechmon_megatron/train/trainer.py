@@ -390,6 +390,8 @@ class _Trainer:
         return {
             "iteration": int(step),
             "layout": dict(self.layout),
+            # The model shape, as Megatron-LM keeps its args: `mechmon scan` reads it.
+            "model": dataclasses.asdict(self.cfg.model),
             "optimizer": self.optimizer.state_dict(),
             "data": self.data.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()},

@@ -1,0 +1,68 @@
+"""``mechmon scan``: would mechmon have warned? The monitors over a run's saved checkpoints.
+
+    mechmon scan RUN_OR_CKPT_DIR [--out DIR] [--config FILE] [--model-config FILE]
+
+Finds the checkpoints (Megatron torch_dist or legacy ``mp_rank_XX``, DeepSpeed, plain torch
+state dicts) in step order, computes for each consecutive pair the QK-update spectra (the live
+monitor's signals), the router-weight geometry and the update ratios, replays the detectors and
+writes ``scan.jsonl``, ``scan.md`` and ``scan.png`` (default ``RUN_OR_CKPT_DIR/scan``). Exit
+code 0 when silent, 1 when the detectors alarm, 2 on bad input (nothing written).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``scan`` on the CLI's subparsers."""
+    parser = subparsers.add_parser(
+        "scan", help="monitors over a run's saved checkpoints (post hoc, no training)",
+        description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", metavar="RUN_OR_CKPT_DIR",
+                        help="run directory or checkpoint save directory")
+    parser.add_argument("--out", help="output directory (default RUN_OR_CKPT_DIR/scan)")
+    parser.add_argument("--config", help="mechmon config (qk, router, detectors sections); "
+                        "default: the shipped defaults")
+    parser.add_argument("--model-config", help="attention shape when the checkpoints do not "
+                        "carry it: YAML/JSON with num_attention_heads, num_query_groups, "
+                        "kv_channels (a reference-trainer config or an HF config.json work too)")
+    parser.add_argument("--warmup-samples", type=int,
+                        help="pairs forming the detectors' baseline (default: the config's "
+                        "warmup_samples, at most a third of the pairs, at least 3)")
+    parser.add_argument("--no-update-ratios", action="store_true",
+                        help="read only the Q/K and router tensors (skip the update ratios)")
+    parser.add_argument("--no-plots", action="store_true", help="skip scan.png")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch intra-op threads (default 0: torch's choice; 1 is best on "
+                        "a busy machine)")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Scan; 0 when silent, 1 on an alarm, 2 on bad input."""
+    import torch
+
+    from mechmon_megatron.scan import ScanError, scan
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        result = scan(args.run_dir, out=args.out, config=args.config,
+                      model_config=args.model_config, ratios=not args.no_update_ratios,
+                      warmup_samples=args.warmup_samples, progress=not args.no_progress,
+                      plots=not args.no_plots)
+    except (ScanError, ValueError, FileNotFoundError) as exc:
+        print(f"mechmon scan: {exc}", flush=True)
+        return 2
+    alarm = result.alarm
+    verdict = (f"alarm at step {alarm['alarm_step']} (onset {alarm['onset_step']}): "
+               f"{alarm['fault_class']}" if alarm else "silent")
+    print(f"mechmon scan: {len(result.rows)} checkpoint pairs, {verdict}", flush=True)
+    for path in result.files:
+        print(f"mechmon scan: wrote {path}", flush=True)
+    return 1 if alarm else 0

@@ -38,6 +38,7 @@ __all__ = [
     "SketchConfig",
     "QKConfig",
     "RouterConfig",
+    "FP8Config",
     "GlobalConfig",
     "BaselineConfig",
     "RobustZConfig",
@@ -183,6 +184,25 @@ class RouterConfig:
 
 
 @dataclass
+class FP8Config:
+    """FP8 monitor: Transformer Engine's per-module amax / scale and per-head max logits."""
+
+    enabled: Literal["auto"] | bool = "auto"
+    """``auto``: on when the model has Transformer Engine modules; ``true`` without them warns."""
+    interval: int = 100
+    """Monitor every this many steps."""
+    layers: Literal["all"] | list[int] = "all"
+    """``all`` or a list of global 1-based layer numbers."""
+    attn_logits: bool = True
+    """Read each head's max attention logit where TE keeps it (megatron-core
+    ``core_attention.current_max_attn_logits``: ``--log-max-attention-logit``, TE >= 2.9)."""
+
+    def __post_init__(self) -> None:
+        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        _check_layers(self.layers)
+
+
+@dataclass
 class GlobalConfig:
     """Global signals handed to ``end_step`` by the training loop."""
 
@@ -317,6 +337,18 @@ def _router_family() -> FamilyDetectorConfig:
     )
 
 
+def _fp8_family() -> FamilyDetectorConfig:
+    return FamilyDetectorConfig(
+        signals=[
+            "fp8/amax_log2/*/layer_*",
+            "fp8/headroom_log2/*/layer_*",
+            "fp8/max_attn_logit/max/layer_*",
+        ],
+        direction="up",
+        directions={"fp8/headroom_log2/**": "down"},
+    )
+
+
 def _global_family() -> FamilyDetectorConfig:
     return FamilyDetectorConfig(
         signals=["global/loss", "global/grad_norm"],
@@ -389,6 +421,8 @@ class DetectorsConfig:
     """Attention (QK-update) signals."""
     router: FamilyDetectorConfig = field(default_factory=_router_family)
     """MoE router signals."""
+    fp8: FamilyDetectorConfig = field(default_factory=_fp8_family)
+    """FP8 scaling signals (Transformer Engine): amax growth, saturation headroom, max logits."""
     global_: FamilyDetectorConfig = field(
         default_factory=_global_family, metadata={"key": "global"}
     )
@@ -413,7 +447,8 @@ class DetectorsConfig:
 
     def families(self) -> dict[str, FamilyDetectorConfig]:
         """``{family: config}`` keyed by signal family name (attn, router, global)."""
-        return {"attn": self.attn, "router": self.router, "global": self.global_}
+        return {"attn": self.attn, "router": self.router,
+                "fp8": self.fp8, "global": self.global_}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -515,6 +550,8 @@ class MechMonConfig:
     """QK weight-update monitor."""
     router: RouterConfig = field(default_factory=RouterConfig)
     """MoE router monitor."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 (Transformer Engine) monitor."""
     global_: GlobalConfig = field(default_factory=GlobalConfig, metadata={"key": "global"})
     """Loss and grad-norm signals."""
     detectors: DetectorsConfig = field(default_factory=DetectorsConfig)

@@ -13,7 +13,8 @@ observed as non-finite comes back as +inf ("observed, not finite"), so detectors
 apart.
 
 Names are hierarchical and stable: ``<family>/<signal>/<stat>[/layer_<L>[/head_<H>]]`` with
-family one of ``attn``, ``router``, ``global``. Sinks prefix them with ``mechmon/``.
+family one of ``attn``, ``router``, ``fp8``,
+``global``. Sinks prefix them with ``mechmon/``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from mechmon_megatron import comm
 
 __all__ = ["FAMILIES", "family_of", "reduce_signals"]
 
-FAMILIES = ("attn", "router", "global")
+FAMILIES = ("attn", "router", "fp8", "global")
 
 
 def family_of(name: str) -> str:

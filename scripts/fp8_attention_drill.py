@@ -108,11 +108,13 @@ def main() -> None:
                 fault = {"kind": "fp8_attention", "start_step": args.start,
                          "fp8_attention": {"delta": "stale" if arm == "stale" else "matched",
                                            "o_skew": args.o_skew, "layers": args.layers}}
-            run_dir = out / f"{arm}-skew{args.o_skew:g}-s{seed}"
+            tag = "" if arm == "healthy" else f"-skew{args.o_skew:g}"
+            run_dir = out / f"{arm}{tag}-s{seed}"
             runs[arm] = run_dir
             if not (run_dir / "run.json").is_file():
                 train(config(seed, args.steps, fault, run_dir))
-        healthy = read(runs["healthy"])[0] if "healthy" in runs else None
+        shared = out / f"healthy-s{seed}"
+        healthy = read(shared)[0] if (shared / "run.json").is_file() else None
         for arm, run_dir in runs.items():
             losses, alarm, finding = read(run_dir)
             div, gap = divergence(losses, healthy, args.start, args.margin) if healthy else (

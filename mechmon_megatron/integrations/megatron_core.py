@@ -82,6 +82,12 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         elif config.router.enabled is True:
             warnings.warn("mechmon: router.enabled is true but the model has no MoE routers; "
                           "the router monitor does nothing", RuntimeWarning, stacklevel=2)
+    if config.fp8.enabled is not False:
+        from mechmon_megatron.integrations.mcore_fp8 import fp8_monitor
+
+        fp8 = fp8_monitor(config, model_chunks)
+        if fp8 is not None:
+            monitors.append(fp8)
     return monitors
 
 

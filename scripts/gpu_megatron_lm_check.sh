@@ -29,7 +29,7 @@
 #   MODE              alarm | fp8 [alarm]
 #   FP8_MOE_ARGS      MoE arguments of MODE=fp8 [--num-experts 4 --moe-router-topk 2
 #                     --moe-grouped-gemm --moe-token-dispatcher-type alltoall
-#                     --moe-router-padding-for-fp8]; set to " " for a dense model
+#                     --moe-router-padding-for-quantization]; set to " " for a dense model
 set -euo pipefail
 
 : "${MEGATRON_LM_PATH:?set MEGATRON_LM_PATH to a Megatron-LM checkout}"
@@ -39,7 +39,7 @@ TRAIN_ITERS="${TRAIN_ITERS:-100}"
 ARM_STEP="${ARM_STEP:-50}"
 read -r -a EXTRA <<<"${EXTRA_ARGS:-}"
 MODE="${MODE:-alarm}"
-read -r -a FP8_MOE <<<"${FP8_MOE_ARGS:---num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-padding-for-fp8}"
+read -r -a FP8_MOE <<<"${FP8_MOE_ARGS:---num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-token-dispatcher-type alltoall --moe-router-padding-for-quantization}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CKPT="$WORK_DIR/ckpt"
 CONFIG="$WORK_DIR/mechmon.yaml"

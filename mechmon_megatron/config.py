@@ -39,6 +39,9 @@ __all__ = [
     "QKConfig",
     "RouterConfig",
     "FP8Config",
+    "UpdateRatioConfig",
+    "SharpnessConfig",
+    "OptimMonitorConfig",
     "GlobalConfig",
     "BaselineConfig",
     "RobustZConfig",
@@ -184,6 +187,73 @@ class RouterConfig:
 
 
 @dataclass
+class UpdateRatioConfig:
+    """Update-to-weight ratios |W1 - W0|_F / |W0|_F per layer and weight group."""
+
+    enabled: bool = True
+    """Compute ``optim/update_ratio/...``."""
+    window: Literal["step", "interval"] = "step"
+    """``step``: the optimizer step of each monitored step (a transient copy of the weights,
+    nothing kept between steps); ``interval``: W(t) - W(t - interval) (a persistent snapshot of
+    every weight, kept in the monitor state)."""
+    offload_snapshots: bool = False
+    """Keep the copy of the weights in host memory instead of device memory."""
+
+
+@dataclass
+class SharpnessConfig:
+    """Preconditioned sharpness eta * lambda_max(P^-1/2 H P^-1/2) against Adam's edge of
+    stability, by warm-started power iteration on one cached micro-batch."""
+
+    enabled: bool = True
+    """Estimate the sharpness where the integration can re-run the loss (see the README)."""
+    interval: int = 500
+    """Estimate every this many steps; a multiple of ``optim.interval``."""
+    iters: int = 4
+    """Most Hessian-vector products per estimate (power iterations, warm-started)."""
+    tol: float = 0.02
+    """Stop early once the estimate moves by less than this (relative)."""
+    method: Literal["finite_difference", "double_backward"] = "finite_difference"
+    """HVP by a central difference of two gradients (works through tensor-parallel autograd
+    functions) or by double backward (models whose ops are twice differentiable)."""
+    fd_scale: float = 1e-3
+    """Central-difference step: |h u| = fd_scale * |W|."""
+    batch_size: int = 4
+    """Sequences of the cached micro-batch the loss is evaluated on (0: all of it)."""
+    vector_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Precision of the warm-start eigenvector kept between estimates."""
+
+    def __post_init__(self) -> None:
+        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        require(self.iters >= 1, "iters", self.iters, "an integer >= 1")
+        require(self.tol >= 0, "tol", self.tol, "a number >= 0")
+        require(0 < self.fd_scale < 1, "fd_scale", self.fd_scale, "a number in (0, 1)")
+        require(self.batch_size >= 0, "batch_size", self.batch_size, "an integer >= 0")
+
+
+@dataclass
+class OptimMonitorConfig:
+    """Optimizer monitor: update ratios and preconditioned sharpness (family ``optim``)."""
+
+    enabled: bool = True
+    """Run the optimizer monitor."""
+    interval: int = 100
+    """Monitor every this many steps."""
+    warmup_steps: int = 0
+    """No optimizer signals before this step."""
+    update_ratio: UpdateRatioConfig = field(default_factory=UpdateRatioConfig)
+    """Update-to-weight ratios."""
+    sharpness: SharpnessConfig = field(default_factory=SharpnessConfig)
+    """Preconditioned sharpness."""
+
+    def __post_init__(self) -> None:
+        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
+        require(self.sharpness.interval % self.interval == 0, "sharpness.interval",
+                self.sharpness.interval, f"a multiple of optim.interval ({self.interval})")
+
+
+@dataclass
 class FP8Config:
     """FP8 monitor: Transformer Engine's per-module amax / scale and per-head max logits."""
 
@@ -308,6 +378,8 @@ class FamilyDetectorConfig:
     """CUSUM rule (estimates the onset step)."""
     bounds: BoundsConfig = field(default_factory=BoundsConfig)
     """Absolute bounds."""
+    signal_bounds: dict[str, BoundsConfig] = field(default_factory=dict)
+    """Absolute bounds of the signals matching a pattern (first match), instead of ``bounds``."""
     baseline: BaselineConfig | None = None
     """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
     defaults); null: use ``detectors.baseline``."""
@@ -334,6 +406,14 @@ def _router_family() -> FamilyDetectorConfig:
         ],
         direction="up",
         directions={"router/entropy_mean/*": "down"},
+    )
+
+
+def _optim_family() -> FamilyDetectorConfig:
+    return FamilyDetectorConfig(
+        signals=["optim/sharpness/eos_ratio", "optim/update_ratio/*"],
+        direction="up",
+        signal_bounds={"optim/sharpness/eos_ratio": BoundsConfig(max=1.0)},
     )
 
 
@@ -421,6 +501,9 @@ class DetectorsConfig:
     """Attention (QK-update) signals."""
     router: FamilyDetectorConfig = field(default_factory=_router_family)
     """MoE router signals."""
+    optim: FamilyDetectorConfig = field(default_factory=_optim_family)
+    """Optimizer signals: the absolute edge-of-stability bound on the preconditioned sharpness
+    (an alarm at eos_ratio > 1 needs no baseline) and update ratios against their baseline."""
     fp8: FamilyDetectorConfig = field(default_factory=_fp8_family)
     """FP8 scaling signals (Transformer Engine): amax growth, saturation headroom, max logits."""
     global_: FamilyDetectorConfig = field(
@@ -446,9 +529,10 @@ class DetectorsConfig:
                 )
 
     def families(self) -> dict[str, FamilyDetectorConfig]:
-        """``{family: config}`` keyed by signal family name (attn, router, global)."""
+        """``{family: config}`` keyed by signal family name (attn, router, optim, global)."""
         return {"attn": self.attn, "router": self.router,
-                "fp8": self.fp8, "global": self.global_}
+                "fp8": self.fp8, "optim": self.optim,
+                "global": self.global_}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -550,6 +634,8 @@ class MechMonConfig:
     """QK weight-update monitor."""
     router: RouterConfig = field(default_factory=RouterConfig)
     """MoE router monitor."""
+    optim: OptimMonitorConfig = field(default_factory=OptimMonitorConfig)
+    """Optimizer monitor (update ratios, preconditioned sharpness)."""
     fp8: FP8Config = field(default_factory=FP8Config)
     """FP8 (Transformer Engine) monitor."""
     global_: GlobalConfig = field(default_factory=GlobalConfig, metadata={"key": "global"})

@@ -14,7 +14,7 @@ apart.
 
 Names are hierarchical and stable: ``<family>/<signal>/<stat>[/layer_<L>[/head_<H>]]`` with
 family one of ``attn``, ``router``, ``fp8``,
-``global``. Sinks prefix them with ``mechmon/``.
+``optim``, ``global``. Sinks prefix them with ``mechmon/``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mechmon_megatron import comm
 
 __all__ = ["FAMILIES", "family_of", "reduce_signals"]
 
-FAMILIES = ("attn", "router", "fp8", "global")
+FAMILIES = ("attn", "router", "fp8", "optim", "global")
 
 
 def family_of(name: str) -> str:

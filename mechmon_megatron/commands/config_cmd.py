@@ -81,6 +81,8 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def _scalar(value: Any) -> str:
+    if dataclasses.is_dataclass(value):
+        value = dataclasses.asdict(value)
     text = yaml.safe_dump(value, default_flow_style=True, width=1 << 16)
     return text.removesuffix("\n").removesuffix("\n...").strip()
 

@@ -7,6 +7,7 @@ The family whose findings have the earliest onset names the fault:
 | attn         | attention       | biased low-precision attention / QK drift                 |
 | router       | router_collapse | MoE router collapse (routing entropy, weight similarity)  |
 | fp8          | fp8_scaling     | low-precision (FP8) scaling: amax growth, saturation, logits |
+| optim        | lr              | learning-rate / optimizer instability (sharpness, updates) |
 | global       | global          | loss / grad-norm anomaly with no mechanism signal first    |
 | two or more  | compound        | first onsets within ``compound_window`` steps of each other |
 
@@ -25,20 +26,26 @@ from mechmon_megatron.detect.detectors import Finding
 
 __all__ = ["Diagnosis", "FAULT_CLASSES", "DESCRIPTIONS", "diagnose", "parse_location"]
 
-FAULT_CLASSES = {"attn": "attention", "router": "router_collapse",
-    "fp8": "fp8_scaling", "global": "global"}
+FAULT_CLASSES = {
+    "attn": "attention",
+    "router": "router_collapse",
+    "fp8": "fp8_scaling",
+    "optim": "lr",
+    "global": "global",
+}
 """Fault class of each family when it fires first and alone."""
 
 DESCRIPTIONS = {
     "attention": "biased low-precision attention / QK drift",
     "router_collapse": "MoE router collapse",
     "fp8_scaling": "low-precision (FP8) scaling",
+    "lr": "learning-rate / optimizer instability",
     "global": "loss / grad-norm anomaly without an earlier mechanism signal",
     "compound": "several mechanisms at once",
 }
 """Human-readable description of each fault class."""
 
-_FAMILY_ORDER = ("attn", "router", "fp8", "global")
+_FAMILY_ORDER = ("attn", "router", "fp8", "optim", "global")
 _LAYER, _HEAD = re.compile(r"/layer_(\d+)(?:/|$)"), re.compile(r"/head_(\d+)(?:/|$)")
 
 

@@ -175,8 +175,10 @@ class DetectorBank:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
         if fam.cusum.enabled:
             channel.detectors.append(Cusum(name, family, baseline, fam.cusum, direction))
-        if fam.bounds.min is not None or fam.bounds.max is not None:
-            channel.detectors.append(Bounds(name, family, baseline, fam.bounds))
+        bounds = next((b for p, b in fam.signal_bounds.items() if compile_pattern(p).match(name)),
+                      fam.bounds)
+        if bounds.min is not None or bounds.max is not None:
+            channel.detectors.append(Bounds(name, family, baseline, bounds))
         self.channels[name] = channel
 
     def _channel(self, name: str) -> SignalChannel:

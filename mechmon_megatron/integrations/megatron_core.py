@@ -57,11 +57,15 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
 
 
 def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
-                   optimizer: Any = None) -> list[Any]:
-    """The configured monitors over ``model_chunks`` (collective: one metadata all-gather).
+                   optimizer: Any = None, probe_loss: Any = None, has_batch: Any = None,
+                   ) -> list[Any]:
+    """The configured monitors over ``model_chunks`` (collective: metadata all-gathers).
 
     Returns an empty list when nothing is enabled. A router monitor enabled explicitly on a model
-    without routers warns and is dropped; ``"auto"`` enables it exactly when routers exist.
+    without routers warns and is dropped; ``"auto"`` enables it exactly when routers exist. The
+    optimizer monitor's sharpness needs ``probe_loss(forward) -> loss`` (the loop's cached
+    micro-batch through ``forward``, which runs the model) and ``has_batch()``; without them
+    it reports update ratios only.
     """
     monitors: list[Any] = []
     if config.qk.enabled:
@@ -88,13 +92,25 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         fp8 = fp8_monitor(config, model_chunks)
         if fp8 is not None:
             monitors.append(fp8)
+    if config.optim.enabled:
+        from mechmon_megatron.integrations.mcore_optim import optim_holders, optim_source
+        from mechmon_megatron.monitors.optim import OptimMonitor
+
+        source = optim_source(model_chunks, optimizer, probe_loss, has_batch)
+        if config.optim.sharpness.enabled and source.probe is None:
+            warnings.warn("mechmon: optim.sharpness needs the training loop's micro-batch "
+                          "(probe_loss), an optimizer and one model chunk without pipeline "
+                          "parallelism; reporting update ratios only", RuntimeWarning,
+                          stacklevel=2)
+        monitors.append(OptimMonitor(config.optim, source, optim_holders(source)))
     return monitors
 
 
 def attach(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any = None,
-           actions: Any = None, sinks: Any = None) -> Any:
+           actions: Any = None, sinks: Any = None, probe_loss: Any = None,
+           has_batch: Any = None) -> Any:
     """Build the monitors and return an attached :class:`mechmon_megatron.monitor.MechMon`."""
     from mechmon_megatron.monitor import MechMon
 
-    monitors = build_monitors(config, model_chunks, optimizer)
+    monitors = build_monitors(config, model_chunks, optimizer, probe_loss, has_batch)
     return MechMon(config).attach(monitors, actions=actions, sinks=sinks)

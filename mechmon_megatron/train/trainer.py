@@ -362,9 +362,12 @@ class _Trainer:
         self.divergence_step: int | None = None
         self.log = _JsonLines(os.path.join(cfg.out_dir, "train.jsonl") if self.rank0 else None)
         self.mon = None
+        self.probe_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if cfg.mechmon.enabled:
             mech = dataclasses.replace(cfg.mechmon, output_dir=cfg.out_dir)
-            self.mon = attach(mech, [self.model], self.optimizer, actions=self)
+            self.mon = attach(mech, [self.model], self.optimizer, actions=self,
+                              probe_loss=self._probe_loss,
+                              has_batch=lambda: self.probe_batch is not None)
 
     # FrameworkActions ---------------------------------------------------------------------------
 
@@ -381,6 +384,15 @@ class _Trainer:
     def request_exit(self, exit_code: int) -> None:
         """Stop after the current step; :func:`run` returns ``exit_code``."""
         self.exit_code = int(exit_code)
+
+    def _probe_loss(self, forward: Any) -> torch.Tensor | None:
+        """The optimizer monitor's loss: this step's first ``sharpness.batch_size`` sequences
+        through ``forward`` (the model run functionally on displaced weights)."""
+        if self.probe_batch is None:
+            return None
+        tokens_BS, labels_BS = self.probe_batch
+        positions_BS = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
+        return forward(tokens_BS, positions_BS, None, labels=labels_BS).float().mean()
 
     # State --------------------------------------------------------------------------------------
 
@@ -438,6 +450,8 @@ class _Trainer:
         if self.mon is not None:
             self.mon.begin_step(step)
         tokens_BS, labels_BS = self.data.next_batch()
+        keep = self.cfg.mechmon.optim.sharpness.batch_size or tokens_BS.shape[0]
+        self.probe_batch = (tokens_BS[:keep], labels_BS[:keep])
         self.optimizer.zero_grad(set_to_none=False)
         positions_BS = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
         loss = self.model(tokens_BS, positions_BS, None, labels=labels_BS).float().mean()

@@ -1,0 +1,201 @@
+"""The optimizer monitor's source on megatron-core models: weights, ownership, Adam state, probe.
+
+Ownership (every distinct element counted once over the world, as megatron's grad norm):
+after gradient synchronisation a dense parameter is identical on every DP rank and, unless it
+is TP-sharded (``tensor_model_parallel``), on every TP rank; an expert parameter
+(``allreduce = False``) on every expert-DP rank and, unless sharded, every expert-TP rank. The
+owner is DP (expert-DP) index 0 and, for a replicated parameter, TP (expert-TP) index 0.
+
+Gradient synchronisation for the probe (:func:`sync_gradients`) is the one training uses with a
+plain ``torch.optim`` (megatron's DDP wrapper does the same reductions on its buffers):
+
+1. sequence-parallel parameters (``sequence_parallel``): SUM over TP;
+2. dense parameters: mean over DP;
+3. expert parameters: SUM over expert-DP, scaled by 1/DP (the loss is a mean over all DP ranks).
+
+The probe's loss runs the model functionally on the training loop's cached micro-batch
+(``probe_loss(forward)``, ``forward = functional_call(model, override, ...)``) in eval mode,
+under a saved-and-restored RNG (torch, CUDA, megatron's tracker) and with every module buffer
+(e.g. the router's ``local_tokens_per_expert`` counts for expert-bias updates) restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.layouts.megatron_qkv import fp32_weight
+from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
+from mechmon_megatron.monitors.optim import OptimParam, OptimSource
+from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
+
+__all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders"]
+
+ProbeLoss = Callable[[Callable[..., Any]], "torch.Tensor | None"]
+
+
+def _flat_reduce(grads: list[torch.Tensor], group: comm.Group, scale: float,
+                 always: bool = False) -> None:
+    if not grads or (comm.world_size(group) == 1 and not always):
+        return
+    flat = comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group) * scale
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def sync_gradients(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
+    """Reduce ``grads`` (aligned with ``params``) in place across TP, DP and expert-DP."""
+    from megatron.core import parallel_state as ps
+
+    pairs = list(zip(params, grads, strict=True))
+    _flat_reduce([g for p, g in pairs if getattr(p, "sequence_parallel", False)],
+                 ps.get_tensor_model_parallel_group(), 1.0)
+    dp_group = ps.get_data_parallel_group()
+    dp = comm.world_size(dp_group)
+    _flat_reduce([g for p, g in pairs if getattr(p, "allreduce", True)], dp_group, 1.0 / dp)
+    _flat_reduce([g for p, g in pairs if not getattr(p, "allreduce", True)],
+                 ps.get_expert_data_parallel_group(), 1.0 / dp, always=True)
+
+
+def _owned(param: torch.nn.Parameter) -> bool:
+    from megatron.core import parallel_state as ps
+
+    sharded = getattr(param, "tensor_model_parallel", False)
+    if getattr(param, "allreduce", True):
+        return ps.get_data_parallel_rank() == 0 and (
+            sharded or ps.get_tensor_model_parallel_rank() == 0)
+    return ps.get_expert_data_parallel_rank() == 0 and (
+        sharded or ps.get_expert_tensor_parallel_rank() == 0)
+
+
+def _main_params(optimizer: Any) -> tuple[Any, dict[int, torch.Tensor]]:
+    """The innermost torch optimizer and ``{id(model param): the param it updates}``."""
+    mapping: dict[int, torch.Tensor] = {}
+    inner = optimizer
+    for chained in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for model_g, main_g in zip(getattr(chained, "float16_groups", []),
+                                   getattr(chained, "fp32_from_float16_groups", []), strict=True):
+            mapping.update({id(p): m for p, m in zip(model_g, main_g, strict=True)})
+        inner = chained
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    return inner, mapping
+
+
+def adam_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> AdamState | None:
+    """Adam's ``sqrt(v_hat) + eps``, group LRs, beta1 and first moments for ``params``; None
+    until every parameter has optimizer state.
+
+    Raises:
+        ValueError: the optimizer keeps no Adam second moment (not an Adam-type optimizer) or
+            holds the state DP-sharded (DistributedOptimizer: not supported by the probe).
+    """
+    inner, mapping = _main_params(optimizer)
+    if any(getattr(p, "main_param_sharded", False) for p in params):
+        raise ValueError("optim.sharpness: DistributedOptimizer keeps Adam's state DP-sharded; "
+                         "the probe needs it per parameter (set optim.sharpness.enabled: false)")
+    group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
+    denoms, lrs, moments, beta1 = [], [], [], 0.0
+    for p in params:
+        main = mapping.get(id(p), p)
+        state, group = inner.state.get(main), group_of.get(id(main))
+        if group is None:
+            raise ValueError("optim.sharpness: a trainable parameter is not in the optimizer")
+        if not state:
+            return None
+        if "exp_avg_sq" not in state:
+            raise ValueError(f"optim.sharpness: {type(inner).__name__} keeps no exp_avg_sq; "
+                             "the preconditioned sharpness needs an Adam-type optimizer")
+        b1, b2 = group["betas"]
+        step = float(state.get("step", group.get("step", 0)))
+        if step <= 0:
+            return None
+        v_hat = state["exp_avg_sq"].float() / (1.0 - b2 ** step)
+        denoms.append(v_hat.sqrt().add_(group["eps"]).view(p.shape))
+        lrs.append(float(group["lr"]))
+        moments.append(state["exp_avg"].float().view(p.shape))
+        beta1 = max(beta1, float(b1))
+    return AdamState(denoms, lrs, beta1, moments)
+
+
+@contextlib.contextmanager
+def _isolated(model: torch.nn.Module) -> Iterator[None]:
+    """Eval mode, own RNG, buffers restored: the probe leaves no trace on training."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    tracker = get_cuda_rng_tracker().get_states()
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        get_cuda_rng_tracker().set_states(tracker)
+
+
+def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
+                 probe_loss: ProbeLoss | None = None, has_batch: Callable[[], bool] | None = None,
+                 ) -> OptimSource:
+    """This rank's :class:`OptimSource`; a probe when ``probe_loss`` is given, the model is one
+    chunk (no pipeline parallelism) and an optimizer is attached."""
+    from megatron.core import parallel_state as ps
+
+    entries, tensors, names = [], [], []
+    for chunk in model_chunks:
+        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        for (name, p), (group, layer) in zip(named, classify(named, layer_prefixes(chunk)),
+                                             strict=True):
+            entries.append(OptimParam(name, group, layer, _owned(p)))
+            tensors.append(p)
+            names.append(name)
+
+    def read() -> list[torch.Tensor]:
+        return [fp32_weight(p, optimizer) for p in tensors]
+
+    probe = None
+    single = len(model_chunks) == 1 and ps.get_pipeline_model_parallel_world_size() == 1
+    if probe_loss is not None and optimizer is not None and single:
+        model = model_chunks[0]
+
+        def loss(override: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+            with _isolated(model):
+                return probe_loss(lambda *a, **k: torch.func.functional_call(
+                    model, dict(override), a, k, strict=False))
+
+        def reduce(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+            sync_gradients(tensors, grads)
+            return grads
+
+        def state() -> AdamState | None:
+            if has_batch is not None and not has_batch():
+                return None
+            return adam_state(optimizer, tensors)
+
+        probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state)
+    return OptimSource(entries, read, probe)
+
+
+def optim_holders(source: OptimSource) -> dict[str, int]:
+    """``{key: ranks holding it}`` over the world (collective: one gather, one SUM)."""
+    mine = set(source.keys())
+    keys = sorted(comm.all_gather_union({k: 1 for k in mine}))
+    counts = comm.all_reduce_sum(torch.tensor([int(k in mine) for k in keys],
+                                              dtype=torch.int64))
+    return dict(zip(keys, (int(c) for c in counts.tolist()), strict=True))
+

@@ -1,0 +1,253 @@
+"""Optimizer monitor: update-to-weight ratios per layer and weight group, preconditioned sharpness.
+
+A too-large learning rate is written first into the optimizer's step: the update grows against
+the weights, and the step size times the (preconditioned) curvature reaches the edge of
+stability (arXiv 2606.16768; Cohen et al. 2022) before the loss moves.
+
+Update ratio of a key ``k`` (a weight group in one layer, e.g. ``qkv/layer_3``, or a layer-less
+group such as ``embedding``) over the window ``W0 -> W1``::
+
+    r_k = |W1 - W0|_F / |W0|_F        summed over the parameters (and all shards) of k
+
+``update_ratio.window``: ``step`` (default) compares the weights before and after the optimizer
+step of a monitored step (a transient copy taken in ``begin_step``, freed at ``end_step``);
+``interval`` compares with the previous monitored step (a persistent snapshot, kept in the
+monitor state). Each rank adds the squares of the elements it owns (one owner per distinct
+element) and scales the sums by the number of ranks holding the key, so the one SUM reduction's
+mean is the exact total; the ratios are derived from the reduced table.
+
+=====================================  ===========================================================
+``optim/update_sq/<key>``              ``|W1 - W0|_F^2`` of the key (all shards)
+``optim/weight_sq/<key>``              ``|W0|_F^2``
+``optim/update_ratio/<key>``           ``r_k`` (derived)
+``optim/update_ratio/<group>``         over all layers of a layered group (derived)
+``optim/update_ratio/all``             whole model (derived)
+``optim/sharpness/eos_ratio``          ``lambda_max(D^1/2 H D^1/2) / ((2 + 2 b1) / (1 - b1))``
+``optim/sharpness/lambda``             ``lambda_max`` per unit of the largest group LR
+``optim/sharpness/iters``              power-iteration products used
+``optim/sharpness/residual``           ``|M v - lambda v| / |lambda|`` of the last iterate
+=====================================  ===========================================================
+
+Sharpness runs every ``sharpness.interval`` steps (a multiple of ``interval``) when the
+integration gave a :class:`~mechmon_megatron.monitors.sharpness.CurvatureProbe`
+(:mod:`mechmon_megatron.monitors.sharpness`).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.monitors.sharpness import CurvatureProbe, SharpnessEstimator
+
+__all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "SHARPNESS_SIGNALS"]
+
+SHARPNESS_SIGNALS = ("eos_ratio", "lambda", "iters", "residual")
+
+
+def optim_key(group: str, layer: int | None) -> str:
+    """``<group>/layer_<L>`` or ``<group>`` for parameters outside the layers."""
+    return group if layer is None else f"{group}/layer_{layer}"
+
+
+@dataclass(frozen=True)
+class OptimParam:
+    """One local parameter (shard) as the monitor sees it."""
+
+    name: str
+    group: str
+    layer: int | None
+    owned: bool
+    """This rank adds the parameter's squares to the global sums (see the module docstring)."""
+
+
+@dataclass
+class OptimSource:
+    """The model's parameters on this rank, built by an integration.
+
+    Attributes:
+        params: one entry per local trainable parameter, in ``read()`` order.
+        read: ``() -> list of fp32 tensors``, the weights the optimizer updates (fp32 main
+            params where kept); may be collective.
+        probe: the curvature probe, or None (no sharpness).
+        group: the ranks that share the model (world).
+    """
+
+    params: list[OptimParam]
+    read: Callable[[], list[torch.Tensor]]
+    probe: CurvatureProbe | None = None
+    group: comm.Group = None
+
+    def keys(self) -> list[str]:
+        """This rank's keys, sorted."""
+        return sorted({optim_key(p.group, p.layer) for p in self.params})
+
+
+class OptimMonitor:
+    """See the module docstring.
+
+    Args:
+        config: ``OptimMonitorConfig`` (interval, warmup_steps, update_ratio, sharpness).
+        source: this rank's :class:`OptimSource`.
+        holders: ``{key: number of ranks holding it}`` over the whole model (every rank the
+            same; from :func:`mechmon_megatron.integrations.megatron_core.optim_holders`).
+    """
+
+    family = "optim"
+
+    def __init__(self, config: Any, source: OptimSource, holders: Mapping[str, int]) -> None:
+        self.config, self.source = config, source
+        self.interval = int(config.interval)
+        self.holders = dict(sorted(holders.items()))
+        self.keys = [optim_key(p.group, p.layer) for p in source.params]
+        self.sharp_every = int(config.sharpness.interval)
+        self.estimator = (SharpnessEstimator(config.sharpness, source.probe)
+                          if config.sharpness.enabled and source.probe is not None else None)
+        self.snapshot: list[torch.Tensor] | None = None
+        self.snapshot_step = -1
+        self.errors = 0
+        self._observed = self._skipped = 0
+        self._warned: set[str] = set()
+
+    # -- protocol ------------------------------------------------------------------------
+
+    def signal_names(self) -> list[str]:
+        """Every optimizer signal of the model, sorted."""
+        names = [f"optim/sharpness/{s}" for s in SHARPNESS_SIGNALS]
+        if self.config.update_ratio.enabled:
+            for key in self.holders:
+                names += [f"optim/{kind}/{key}" for kind in ("update_sq", "weight_sq",
+                                                             "update_ratio")]
+            layered = {k.split("/")[0] for k in self.holders if "/" in k}
+            names += [f"optim/update_ratio/{g}" for g in layered] + ["optim/update_ratio/all"]
+        return sorted(set(names))
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is one of this monitor's steps."""
+        return step % self.interval == 0 and step >= int(self.config.warmup_steps)
+
+    def begin_step(self, step: int) -> None:
+        """Copy the weights before the update (``window: step``, monitored steps only)."""
+        if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
+            self.snapshot = None
+            if self.due(step):
+                self.snapshot, self.snapshot_step = self._copy(self.source.read()), step - 1
+
+    def end_step(self, step: int) -> dict[str, float]:
+        """Update ratios and, every ``sharpness.interval`` steps, the sharpness."""
+        if not self.due(step):
+            return {}
+        out: dict[str, float] = {}
+        if self.config.update_ratio.enabled:
+            try:
+                out.update(self._ratios(step))
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+                self._error("update ratio", exc)
+        if self.estimator is not None and step % self.sharp_every == 0:
+            # Collective on every rank: the readiness vote, then the probe's products.
+            if self.estimator.ready():
+                try:
+                    out.update(self.estimator.estimate())
+                except Exception as exc:  # noqa: BLE001
+                    self._error("sharpness", exc)
+        return out
+
+    def derive(self, table: Mapping[str, float]) -> dict[str, float]:
+        """Ratios from the reduced squared norms: per key, per layered group, whole model."""
+        sums: dict[str, list[float]] = {}
+        out: dict[str, float] = {}
+        for key in self.holders:
+            upd = table.get(f"optim/update_sq/{key}", math.nan)
+            ref = table.get(f"optim/weight_sq/{key}", math.nan)
+            out[f"optim/update_ratio/{key}"] = _ratio(upd, ref)
+            for total in ({key.split("/")[0], "all"} if "/" in key else {"all"}):
+                acc = sums.setdefault(total, [0.0, 0.0])
+                acc[0] += upd
+                acc[1] += ref
+        out.update({f"optim/update_ratio/{k}": _ratio(u, r) for k, (u, r) in sums.items()})
+        return out
+
+    def coverage(self) -> dict[str, int]:
+        """``found`` parameters, ``observed``/``skipped`` keys at the last step, ``errors``,
+        ``memory_bytes`` (snapshot and warm-start vector)."""
+        memory = sum(t.numel() * t.element_size() for t in self.snapshot or [])
+        if self.estimator is not None:
+            memory += self.estimator.memory_bytes()
+        return {"found": len(self.source.params), "observed": self._observed,
+                "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The ``interval``-window snapshot and the sharpness warm start (CPU tensors)."""
+        keep = self.config.update_ratio.window == "interval" and self.snapshot is not None
+        return {"version": 1, "errors": self.errors,
+                "snapshot": [t.cpu() for t in self.snapshot] if keep else None,
+                "snapshot_step": self.snapshot_step,
+                "sharpness": self.estimator.state_dict() if self.estimator else None}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.errors = int(sd.get("errors", 0))
+        self.snapshot, self.snapshot_step = sd.get("snapshot"), int(sd.get("snapshot_step", -1))
+        if self.estimator is not None and sd.get("sharpness") is not None:
+            self.estimator.load_state_dict(sd["sharpness"])
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _copy(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        device = torch.device("cpu") if self.config.update_ratio.offload_snapshots else None
+        return [w.detach().to(device or w.device, torch.float32, copy=True) for w in weights]
+
+    def _ratios(self, step: int) -> dict[str, float]:
+        current = self.source.read()
+        before = self.snapshot
+        if self.config.update_ratio.window == "interval":
+            self.snapshot, self.snapshot_step = self._copy(current), step
+        else:
+            self.snapshot = None
+        if before is None or [t.shape for t in before] != [t.shape for t in current]:
+            return {}
+        index = {key: i for i, key in enumerate(self.holders)}
+        sums_K2 = torch.zeros(len(index), 2, dtype=torch.float64)
+        rows, parts = [], []
+        for p, key, w0, w1 in zip(self.source.params, self.keys, before, current, strict=True):
+            if p.owned:
+                w0 = w0.to(w1.device)
+                rows.append(index[key])
+                parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
+                                          w0.double().pow(2).sum()]).cpu())
+        if parts:
+            sums_K2.index_add_(0, torch.tensor(rows), torch.stack(parts))
+        values = sums_K2.tolist()  # the one device-to-host transfer of the step
+        mine = set(self.keys)
+        out: dict[str, float] = {}
+        finite = 0
+        for key, (upd, ref) in zip(index, values, strict=True):
+            if key in mine:
+                scale = float(self.holders[key])
+                out[f"optim/update_sq/{key}"] = upd * scale
+                out[f"optim/weight_sq/{key}"] = ref * scale
+                finite += int(math.isfinite(upd) and math.isfinite(ref))
+        self._observed, self._skipped = finite, len(mine) - finite
+        return out
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        self.errors += 1
+        key = f"{where}:{type(exc).__name__}"
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"mechmon optim: {where} failed: {exc!r}", RuntimeWarning, stacklevel=3)
+
+
+def _ratio(upd: float, ref: float) -> float:
+    """``sqrt(upd / ref)``; NaN when not observed, +inf when non-finite or ``ref = 0``."""
+    if math.isnan(upd) or math.isnan(ref):
+        return math.nan
+    if not (math.isfinite(upd) and math.isfinite(ref)) or ref <= 0.0:
+        return math.inf if upd > 0 or not math.isfinite(upd) else math.nan
+    return math.sqrt(upd / ref)

@@ -1,0 +1,179 @@
+"""Online preconditioned sharpness ``lambda_max(D^1/2 H D^1/2)`` on one cached micro-batch.
+
+``D = diag(eta_i / (sqrt(v_hat_i) + eps))`` from the optimizer's own state (Adam's second moment,
+bias-corrected, and each parameter group's learning rate); ``H`` is the Hessian of the loss of one
+cached micro-batch at the current weights. Estimated by warm-started power iteration
+(:mod:`mechmon_megatron.math.curvature`); every Hessian-vector product is two gradient
+evaluations at displaced weights (central difference) or one double backward.
+
+Side effects: none on training. The displaced weights are passed to the model functionally
+(``override``: a mapping from parameter name to tensor, e.g. ``torch.func.functional_call``), so
+the parameters are never written; gradients come from ``torch.autograd.grad`` (``.grad`` and
+``main_grad`` are not touched); the integration's ``loss`` runs under its own RNG state and
+restores the training RNG, the module modes and the data position. Training with the probe on is
+bitwise equal to training with it off (tests/integration/test_optim_monitor.py).
+
+Collectives: the integration's gradient synchronisation (the same reductions as training) and
+one scalar SUM all-reduce per inner product over ``group``; the number of calls depends only on
+values that are identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.math.curvature import (
+    PowerResult,
+    central_difference_hvp,
+    double_backward_hvp,
+    eos_threshold,
+    power_iteration,
+)
+
+__all__ = ["AdamState", "CurvatureProbe", "SharpnessEstimator"]
+
+
+@dataclass(frozen=True)
+class AdamState:
+    """What the probe needs from the optimizer, aligned with the probe's parameters."""
+
+    denominators: list[torch.Tensor]
+    """``sqrt(v_hat) + eps`` per parameter (fp32, the parameter's shape)."""
+    lrs: list[float]
+    """Learning rate of each parameter's group at this step."""
+    beta1: float
+    """Adam's beta1 (the largest over groups, the strictest threshold)."""
+    momentum: list[torch.Tensor]
+    """Adam's first moment per parameter (the cold-start direction)."""
+
+
+@dataclass
+class CurvatureProbe:
+    """A loss on one cached micro-batch, built by an integration.
+
+    Attributes:
+        names: parameter names, in the order of ``params``.
+        params: this rank's trainable parameters (shards), read-only here.
+        owned: whether this rank adds each parameter's elements to global inner products (every
+            distinct element is owned by exactly one rank of ``group``).
+        loss: ``override -> scalar loss`` on the cached micro-batch with the named parameters
+            replaced by the given tensors; ``None`` when no batch is cached.
+        reduce_grads: ``grads -> grads`` with training's gradient synchronisation (TP sequence
+            parallel, DP mean, expert DP); collective.
+        adam: ``() -> AdamState`` or ``None`` before the optimizer holds state for every param.
+        group: ranks that share the model (world).
+    """
+
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    owned: list[bool]
+    loss: Callable[[Mapping[str, torch.Tensor]], torch.Tensor | None]
+    reduce_grads: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    adam: Callable[[], AdamState | None]
+    group: comm.Group = None
+
+    def dot(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> float:
+        """Global inner product over owned elements (one scalar SUM all-reduce)."""
+        acc = torch.zeros(1, dtype=torch.float64)
+        for own, a, b in zip(self.owned, u, v, strict=True):
+            if own:
+                acc += torch.dot(a.reshape(-1).double(), b.reshape(-1).double()).cpu()
+        return float(comm.all_reduce_sum(acc, self.group).item())
+
+
+class SharpnessEstimator:
+    """Warm-started power iteration on ``D^1/2 H D^1/2`` (see the module docstring).
+
+    Args:
+        config: ``SharpnessConfig`` (iters, tol, method, fd_scale, vector_dtype).
+        probe: the integration's :class:`CurvatureProbe`.
+    """
+
+    def __init__(self, config: Any, probe: CurvatureProbe) -> None:
+        self.config, self.probe = config, probe
+        self.vector: list[torch.Tensor] | None = None
+
+    def ready(self) -> bool:
+        """Whether every rank has a cached batch and optimizer state (one MAX all-reduce)."""
+        local = 0
+        try:
+            local = int(self.probe.adam() is None)
+        except Exception:  # noqa: BLE001 - a rank that cannot read its state votes "not ready"
+            local = 1
+        vote = comm.all_reduce_max(torch.tensor([local], dtype=torch.int64), self.probe.group)
+        return int(vote.item()) == 0
+
+    def estimate(self) -> dict[str, float]:
+        """``eos_ratio`` (eta lambda / threshold), ``lambda`` (per unit of the largest LR),
+        ``iters`` and ``residual``; collective on every rank of the probe's group."""
+        state = self.probe.adam()
+        scale = [(lr / d).sqrt() for lr, d in zip(state.lrs, state.denominators, strict=True)]
+        params = [p.detach() for p in self.probe.params]
+        weight_norm = math.sqrt(max(self.probe.dot(params, params), 0.0))
+        if self.vector is None:
+            # Cold start: the preconditioned momentum direction lies mostly in the top Hessian
+            # subspace and is identical on every replica (unlike fresh random draws).
+            self.vector = [s * m.float() for s, m in zip(scale, state.momentum, strict=True)]
+        start = [v.to(p.device, p.dtype) for v, p in zip(self.vector, params, strict=True)]
+        if not self.probe.dot(start, start) > 0.0:
+            start = [s.clone() for s in scale]
+
+        def matvec(v: list[torch.Tensor]) -> list[torch.Tensor]:
+            u = [s * t for s, t in zip(scale, v, strict=True)]
+            hu = self._hvp(params, u, weight_norm)
+            return [s * t for s, t in zip(scale, hu, strict=True)]
+
+        result: PowerResult = power_iteration(matvec, start, self.probe.dot,
+                                              int(self.config.iters), float(self.config.tol))
+        dtype = torch.bfloat16 if self.config.vector_dtype == "bf16" else torch.float32
+        if math.isfinite(result.value):
+            self.vector = [v.detach().to(dtype) for v in result.vector]
+        eta = max(state.lrs) if state.lrs else math.nan
+        return {
+            "optim/sharpness/eos_ratio": result.value / eos_threshold(state.beta1),
+            "optim/sharpness/lambda": result.value / eta if eta > 0 else math.nan,
+            "optim/sharpness/iters": float(result.iters),
+            "optim/sharpness/residual": result.residual,
+        }
+
+    def memory_bytes(self) -> int:
+        """Bytes held between evaluations (the warm-start vector)."""
+        return sum(v.numel() * v.element_size() for v in self.vector or [])
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warm-start vector (CPU), so a resumed run continues the same iteration."""
+        return {"vector": None if self.vector is None else [v.cpu() for v in self.vector]}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a vector of another shape is dropped: cold start)."""
+        vec = sd.get("vector")
+        shapes = [tuple(p.shape) for p in self.probe.params]
+        ok = vec is not None and [tuple(v.shape) for v in vec] == shapes
+        self.vector = list(vec) if ok else None
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: float,
+                 ) -> list[torch.Tensor]:
+        points = [(p + s * d).requires_grad_(True) for p, d in zip(params, u, strict=True)]
+        loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
+        grads = torch.autograd.grad(loss, points, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g.detach()
+                 for g, p in zip(grads, points, strict=True)]
+        return self.probe.reduce_grads(grads)
+
+    def _hvp(self, params: list[torch.Tensor], u: list[torch.Tensor], weight_norm: float,
+             ) -> list[torch.Tensor]:
+        if self.config.method == "double_backward":
+            points = [p.clone().requires_grad_(True) for p in params]
+            loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
+            return self.probe.reduce_grads(double_backward_hvp(loss, points, u))
+        u_norm = math.sqrt(max(self.probe.dot(u, u), 0.0))
+        h = float(self.config.fd_scale) * weight_norm / max(u_norm, 1e-30)
+        return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h)

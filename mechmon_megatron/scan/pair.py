@@ -87,9 +87,9 @@ class PairScanner:
                 w0, w1 = prev.read(name), cur.read(name)
                 acc = sums.setdefault((self.plan.groups[name], layer), [0.0, 0.0])
                 for a, b in zip(w0, w1, strict=True):
-                    a64 = a.to(torch.float64)
-                    acc[0] += float((b.to(torch.float64) - a64).pow(2).sum())
-                    acc[1] += float(a64.pow(2).sum())
+                    d2, w2 = _square_sums(a, b)
+                    acc[0] += d2
+                    acc[1] += w2
                 if name in keep:
                     kept0[name], kept1[name] = w0, w1
             if attn is not None:
@@ -151,6 +151,26 @@ class PairScanner:
             bias = kept1[bias_name][0].to(torch.float64)
             out[f"router/{BIAS_STAT}/layer_{layer}"] = float(torch.linalg.vector_norm(bias))
         return out
+
+
+_BLOCK = 2**22
+"""Elements per float64 block of the update-ratio sums (32 MB), so a large tensor is never
+converted whole."""
+
+
+def _square_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """``(|b - a|^2, |a|^2)`` in float64, block by block over the leading dimension."""
+    if a.numel() == 0:
+        return 0.0, 0.0
+    lead = a.shape[0] if a.dim() else 1
+    a2, b2 = a.reshape(lead, -1), b.reshape(lead, -1)
+    rows = max(1, _BLOCK // max(1, a2.shape[1]))
+    d2 = w2 = 0.0
+    for i in range(0, a2.shape[0], rows):
+        x, y = a2[i:i + rows].to(torch.float64), b2[i:i + rows].to(torch.float64)
+        d2 += float((y - x).pow(2).sum())
+        w2 += float(x.pow(2).sum())
+    return d2, w2
 
 
 def _ratios(sums: dict[tuple[str, int | None], list[float]]) -> dict[str, float]:

@@ -108,9 +108,11 @@ def safe_torch_load(path: str | os.PathLike[str], mmap: bool = True) -> Any:
         with torch.serialization.safe_globals(allowed):
             return torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - re-raised with the file named
-        reason = str(exc).strip().splitlines()
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line),
+                      lines[0] if lines else type(exc).__name__)
         raise ScanError(f"{path}: refused by the safe loader (torch.load weights_only=True): "
-                        f"{reason[-1] if reason else type(exc).__name__}") from exc
+                        f"{reason}") from exc
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -24,7 +24,9 @@ Operator workflow (no restart loop):
    the job exits with ``actions.exit_code`` (default 86, distinct from 0 and from Megatron's rerun
    codes 16/17). SLURM templates do not requeue on this code.
 2. A job resumed from that checkpoint unchanged raises the same alarm again before any training
-   step (same id, same evidence, same exit code; the file is rewritten) and exits.
+   step (same id, same evidence, same exit code; the file is rewritten) and exits. A later,
+   different alarm moves the earlier file to ``alarm_<its id>.json`` first, so an acknowledged
+   alarm's report survives the next one.
 3. To continue anyway (after inspecting the evidence, lowering the LR, rolling back to
    ``checkpoint_before_onset``...), set ``actions.acknowledge: <alarm_id>`` in the mechmon config.
    The resumed job logs the acknowledgement and re-arms detection on fresh baselines.
@@ -279,6 +281,7 @@ def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        _keep_other_alarm(target, alarm.alarm_id)
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
@@ -295,6 +298,21 @@ def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:
     finally:
         os.close(dir_fd)
     return target
+
+
+def _keep_other_alarm(target: Path, new_id: str) -> None:
+    """Move an ``alarm.json`` of another alarm (e.g. one acknowledged earlier) to
+    ``alarm_<its id>.json`` beside it, so the next alarm does not overwrite its report. A
+    re-raise of the same alarm rewrites the file in place."""
+    try:
+        with open(target, encoding="utf-8") as fh:
+            old_id = str(json.load(fh).get("alarm_id") or "")
+    except (OSError, ValueError, AttributeError):
+        return
+    if old_id and old_id != new_id:
+        kept = target.with_name(f"alarm_{old_id}.json")
+        if not kept.exists():
+            os.replace(target, kept)
 
 
 def read_alarm_json(path: str | os.PathLike[str]) -> Alarm:

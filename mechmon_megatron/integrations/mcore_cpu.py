@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["apply", "is_applied"]
+__all__ = ["apply", "is_applied", "torch_with_cpu_default"]
 
 _APPLIED = False
 
@@ -152,7 +152,7 @@ def apply() -> bool:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import utils as transformer_utils
 
-    cpu_torch = _torch_with_cpu_default()
+    cpu_torch = torch_with_cpu_default()
     for module in (schedules, transformer_utils, moe_utils):
         module.torch = cpu_torch
 
@@ -160,7 +160,7 @@ def apply() -> bool:
     return True
 
 
-def _torch_with_cpu_default() -> types.ModuleType:
+def torch_with_cpu_default() -> types.ModuleType:
     """A view of ``torch`` whose tensor factories map ``device="cuda"`` to the CPU."""
     proxy = types.ModuleType("torch")
     proxy.__dict__.update(torch.__dict__)

@@ -64,12 +64,15 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
 __all__ = [
     "FLAG",
+    "ContractError",
     "MegatronLMActions",
     "MegatronLMHooks",
     "add_mechmon_args",
@@ -78,6 +81,7 @@ __all__ = [
     "install_from_argv",
     "load_mechmon_config",
     "pop_mechmon_config",
+    "process_exit_code",
     "resolve_exit_code",
     "state_path",
     "uninstall",
@@ -90,6 +94,9 @@ TRAINING_MODULE = "megatron.training.training"
 HOOKED = ("setup_model_and_optimizer", "train_step", "checkpoint_and_decide_exit",
           "save_checkpoint")
 """Module globals of ``megatron.training.training`` that :func:`install` wraps."""
+
+FT_LAUNCHER_ENV = "FT_LAUNCHER_IPC_SOCKET"
+"""Set by NVRx's ``ft_launcher`` in every worker it starts."""
 
 LOSS_KEY = "lm loss"
 """Key of the language-model loss in the ``loss_dict`` returned by ``train_step``."""
@@ -185,6 +192,21 @@ def resolve_exit_code(code: object, alarm_exit_code: int | None) -> int:
     return code
 
 
+def process_exit_code(alarm_exit_code: int, environ: Mapping[str, str] | None = None) -> int:
+    """Exit code a worker leaves with after an alarm asked for ``alarm_exit_code``.
+
+    Under NVRx's ``ft_launcher`` (``FT_LAUNCHER_IPC_SOCKET`` set) every non-zero worker exit is
+    a failure it answers by restarting the workers in the same job; a restart resumes the alarm
+    checkpoint and re-raises at once, so 86 would cycle until ``--max-restarts`` runs out (its
+    ``--ft-no-restart-exit-code``, default 93, is what ft_launcher itself exits with when NVRx
+    decides not to restart; it is not read from workers). The workers therefore leave with 0 and
+    ft_launcher ends the job; ``alarm.json`` carries the alarm, and the SLURM templates turn a
+    clean exit with a fresh ``checkpoint_and_exit`` alarm file into ``alarm_exit_code``.
+    """
+    env = os.environ if environ is None else environ
+    return 0 if env.get(FT_LAUNCHER_ENV) else int(alarm_exit_code)
+
+
 def state_path(checkpoint_dir: str, rank: int) -> str:
     """File of rank ``rank``'s monitor state inside a Megatron checkpoint directory."""
     return os.path.join(checkpoint_dir, f"mechmon_rank{rank}.pt")
@@ -250,8 +272,9 @@ class MegatronLMHooks:
 
     @property
     def alarm_exit_code(self) -> int | None:
-        """Exit code an alarm asked for, or None."""
-        return self.actions.exit_code
+        """Process exit code after an alarm (:func:`process_exit_code`), or None."""
+        code = self.actions.exit_code
+        return None if code is None else process_exit_code(code)
 
     def install(self) -> None:
         """Replace the hooked globals of the training module (idempotent)."""
@@ -302,7 +325,8 @@ class MegatronLMHooks:
         verdict = mon.check_resume()
         if verdict is not None and verdict.exit_requested:
             self._announce_exit(verdict.alarm, "on resume, before any step")
-            sys.exit(self.actions.exit_code)
+            self.leave_together()
+            sys.exit(self.alarm_exit_code)
         return result
 
     def _load_state(self, margs: Any) -> None:
@@ -333,6 +357,28 @@ class MegatronLMHooks:
             warnings.warn(f"mechmon: monitor state of iteration {iteration} not restored "
                           f"({problem}); monitoring starts on fresh baselines", RuntimeWarning,
                           stacklevel=2)
+        self._latch_alarm_file(margs.load, iteration)
+
+    def _latch_alarm_file(self, load: str, iteration: int) -> None:
+        """Second latch when the state files are missing: an unacknowledged
+        ``checkpoint_and_exit`` alarm in ``<load>/alarm.json`` raised at the resumed iteration
+        becomes pending on rank 0; ``check_resume`` then agrees on it collectively."""
+        path = os.path.join(load, ALARM_FILENAME)
+        if comm.global_rank() != 0 or not os.path.isfile(path):
+            return
+        try:
+            alarm = read_alarm_json(path)
+        except (OSError, ValueError, TypeError) as exc:
+            warnings.warn(f"mechmon: {path} unreadable ({exc}); not used as a latch",
+                          RuntimeWarning, stacklevel=2)
+            return
+        if (alarm.alarm_step != iteration or alarm.action != "checkpoint_and_exit"
+                or alarm.acknowledged_at is not None):
+            return
+        warnings.warn(f"mechmon: resuming iteration {iteration} without monitor state, but "
+                      f"{path} holds alarm {alarm.alarm_id} raised there: it stays raised",
+                      RuntimeWarning, stacklevel=2)
+        self.mon.alarm = alarm
 
     # -- per iteration -------------------------------------------------------------------------
 
@@ -355,7 +401,7 @@ class MegatronLMHooks:
             return out
         if self.training.get_args().exit_signal_handler:
             self.training.get_signal_handler()._signal_received = True
-        return out[:4] + (code,) + out[5:]
+        return out[:4] + (self.alarm_exit_code,) + out[5:]
 
     def _checkpoint_and_decide_exit(self, *args: Any, **kwargs: Any) -> bool:
         original = self.originals["checkpoint_and_decide_exit"]
@@ -380,7 +426,25 @@ class MegatronLMHooks:
                           stacklevel=2)
         self._announce_exit(self.mon.alarm if self.mon is not None else None,
                             f"after saving iteration {a['iteration']}")
+        self.leave_together()
         return should_exit
+
+    def leave_together(self) -> None:
+        """Before any rank leaves after an alarm: flush the sinks and Megatron's TensorBoard
+        writer on the logging rank, then one world barrier. When the first worker exits,
+        torchrun SIGTERMs the others; after this barrier nothing of mechmon's is left to
+        write on any rank (the alarm file was written before the save). Collective."""
+        if self.mon is not None:
+            self.mon.close()
+            atexit.unregister(self.mon.close)
+        writer = self.training.get_tensorboard_writer()
+        if writer is not None:
+            try:
+                writer.flush()
+            except Exception as exc:  # noqa: BLE001 - leaving anyway
+                warnings.warn(f"mechmon: TensorBoard flush failed ({exc})", RuntimeWarning,
+                              stacklevel=2)
+        comm.barrier()
 
     def _save_checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         result = self.originals["save_checkpoint"](*args, **kwargs)
@@ -412,7 +476,10 @@ class MegatronLMHooks:
             return
         where = getattr(alarm, "path", None) or "(no alarm file written)"
         ident = getattr(alarm, "alarm_id", "?")
-        print(f"mechmon: alarm {ident}: exiting with code {self.actions.exit_code} {when}; "
+        code = self.alarm_exit_code
+        why = (f" (under ft_launcher, instead of {self.actions.exit_code}: a non-zero code "
+               "would make it restart the workers)" if code != self.actions.exit_code else "")
+        print(f"mechmon: alarm {ident}: exiting with code {code}{why} {when}; "
               f"alarm report {where}", file=sys.stderr, flush=True)
 
 
@@ -433,21 +500,30 @@ def _loss_of(loss_dict: Mapping[str, Any] | None) -> Any:
 _INSTALLED: MegatronLMHooks | None = None
 
 
-def install(config: MechMonConfig, training: Any = None) -> MegatronLMHooks:
-    """Hook mechmon into ``megatron.training.training``; call before ``pretrain()``.
+def install(config: MechMonConfig, training: Any = None,
+            signal_module: Any = None) -> MegatronLMHooks:
+    """Check the version contract and hook mechmon into ``megatron.training.training``; call
+    before ``pretrain()``.
 
     Args:
         config: the validated configuration.
         training: the training module (default: import ``megatron.training.training``).
+        signal_module: the module of ``DistributedSignalHandler`` (default: import
+            ``megatron.training.dist_signal_handler``).
 
     Returns:
         The installed hooks (the same object when called again).
+
+    Raises:
+        ContractError: the imported Megatron-LM lacks a symbol the hooks rely on (see
+            :mod:`~mechmon_megatron.integrations.megatron_lm_contract`); nothing is installed.
     """
     global _INSTALLED
     if _INSTALLED is not None:
         return _INSTALLED
     if training is None:
         training = importlib.import_module(TRAINING_MODULE)
+    check(training, signal_module)
     hooks = MegatronLMHooks(config, training)
     hooks.install()
     _INSTALLED = hooks

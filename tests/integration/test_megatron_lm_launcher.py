@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from mechmon_megatron.integrations import megatron_lm
+from mechmon_megatron.integrations import megatron_lm_contract as contract
 from mechmon_megatron.launch import megatron as launcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +41,7 @@ ARGS = None
 SIGNAL = None
 
 
-class _SignalHandler:
+class DistributedSignalHandler:
     def __init__(self):
         self._signal_received = False
 
@@ -180,7 +181,7 @@ def pretrain(model_provider, forward_step_func, extra_args_provider=None, **kwar
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     ARGS = parser.parse_args()  # strict, like Megatron: an unknown flag is an error
-    SIGNAL = _SignalHandler()
+    SIGNAL = DistributedSignalHandler()
     checkpointing_context = {}
     model, optimizer, scheduler = setup_model_and_optimizer(
         model_provider, None, checkpointing_context=checkpointing_context)
@@ -238,6 +239,7 @@ package.__path__ = []
 package.training = training
 sys.modules["megatron.training"] = package
 sys.modules["megatron.training.training"] = training
+sys.modules["megatron.training.dist_signal_handler"] = training
 megatron.training = package
 spec.loader.exec_module(training)
 
@@ -373,11 +375,13 @@ class Run:
         path.write_text(yaml.safe_dump(cfg))
         return path
 
-    def __call__(self, *megatron_args: str, config: Path | None = None) -> tuple[int, list, str]:
+    def __call__(self, *megatron_args: str, config: Path | None = None,
+                 env: dict[str, str] | None = None) -> tuple[int, list, str]:
         events = self.tmp / f"events_{len(list(self.tmp.glob('events_*')))}.txt"
         events.write_text("")
-        env = dict(os.environ, STUB_EVENTS=str(events), STUB_RDZV=str(events) + ".rdzv",
-                   PYTHONPATH=str(REPO))
+        base = {k: v for k, v in os.environ.items() if k != megatron_lm.FT_LAUNCHER_ENV}
+        env = dict(base, STUB_EVENTS=str(events), STUB_RDZV=str(events) + ".rdzv",
+                   PYTHONPATH=str(REPO), **(env or {}))
         cmd = [sys.executable, str(self.tmp / "boot.py"), str(self.tmp / "standin.py"),
                str(self.tmp / "pretrain_gpt.py"), "--mechmon-config",
                str(config or self.config()), "--save", str(self.save), "--load", str(self.save),
@@ -457,6 +461,39 @@ def test_resuming_the_alarm_checkpoint_reraises_before_any_step_until_acknowledg
         assert code == 0, out
 
 
+def test_without_monitor_state_the_alarm_file_still_latches_the_alarm_on_resume(run):
+    code, _, out = run("--train-iters", "40", "--save-interval", "5", "--fault-step", "12",
+                       "--fault-lr-scale", "1e6")
+    assert code == 86, out
+    alarm = json.loads((run.save / "alarm.json").read_text())
+    (run.save / f"iter_{alarm['alarm_step']:07d}" / "mechmon_rank0.pt").unlink()
+
+    code, events, out = run("--train-iters", "40", "--save-interval", "5")
+    assert code == 86, out
+    assert _steps(events) == [] and "stays raised" in out
+    code, events, out = run("--train-iters", str(alarm["alarm_step"] + 2), "--save-interval", "5",
+                            config=run.config(acknowledge=alarm["alarm_id"]))
+    assert _steps(events)[:1] == [alarm["alarm_step"] + 1], out
+
+
+def test_under_ft_launcher_an_alarm_exits_0_so_the_job_ends_instead_of_restarting(run):
+    code, events, out = run("--train-iters", "40", "--save-interval", "5", "--fault-step", "12",
+                            "--fault-lr-scale", "1e6",
+                            env={megatron_lm.FT_LAUNCHER_ENV: "/tmp/ft.sock"})
+    assert code == 0, out
+    alarm = json.loads((run.save / "alarm.json").read_text())
+    assert alarm["exit_code"] == 86 and alarm["action"] == "checkpoint_and_exit"
+    assert _saves(events)[-1] == alarm["alarm_step"]
+    assert "exiting with code 0 (under ft_launcher, instead of 86" in out
+
+
+@pytest.mark.parametrize(("environ", "expected"),
+                         [({}, 86), ({"FT_LAUNCHER_IPC_SOCKET": "/tmp/s"}, 0),
+                          ({"FT_LAUNCHER_IPC_SOCKET": ""}, 86)])
+def test_the_process_exit_code_is_0_only_under_ft_launcher(environ, expected):
+    assert megatron_lm.process_exit_code(86, environ) == expected
+
+
 def test_megatrons_rerun_exit_code_passes_through(run):
     code, events, out = run("--train-iters", "20", "--rerun-exit-at", "4", "--rerun-exit-code",
                             "16")
@@ -495,11 +532,25 @@ def test_install_wraps_the_training_globals_and_uninstall_restores_them():
                         num_floating_point_operations_so_far, checkpointing_context=None):
         return None
 
+    def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
+                                 num_floating_point_operations_so_far, checkpointing_context,
+                                 non_persistent_ckpt=False, train_data_iterator=None):
+        return None
+
     originals = dict(setup_model_and_optimizer=setup_model_and_optimizer, train_step=train_step,
                      checkpoint_and_decide_exit=checkpoint_and_decide_exit,
                      save_checkpoint=save_checkpoint, get_args=lambda: None)
-    module.__dict__.update(originals)
-    hooks = megatron_lm.install(load_config({}), training=module)
+    class DistributedSignalHandler:
+        _signal_received = False
+
+        def signals_received(self):
+            return [self._signal_received]
+
+    module.__dict__.update(originals, get_signal_handler=lambda: None,
+                           get_tensorboard_writer=lambda: None, get_wandb_writer=lambda: None,
+                           save_checkpoint_and_time=save_checkpoint_and_time)
+    signals = types.SimpleNamespace(DistributedSignalHandler=DistributedSignalHandler)
+    hooks = megatron_lm.install(load_config({}), training=module, signal_module=signals)
     try:
         assert megatron_lm.install(load_config({}), training=module) is hooks
         for name in megatron_lm.HOOKED:
@@ -508,6 +559,77 @@ def test_install_wraps_the_training_globals_and_uninstall_restores_them():
         megatron_lm.uninstall()
     for name in megatron_lm.HOOKED:
         assert getattr(module, name) is originals[name]
+
+
+# ----------------------------------------------------------------------------------------------
+# The version contract (on the stand-in module, edited the way an upstream rename would)
+# ----------------------------------------------------------------------------------------------
+
+
+def _standin_module(tmp_path: Path, monkeypatch, text: str = STANDIN):
+    import importlib.util
+
+    path = tmp_path / "standin_contract.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("standin_contract", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "standin_contract", module)  # inspect finds classes there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_contract_accepts_the_loop_the_hooks_were_written_for(tmp_path, monkeypatch):
+    module = _standin_module(tmp_path, monkeypatch)
+    contract.check(module, signal_module=module)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "named"),
+    [
+        ("forward_backward_func, iteration=None):", "forward_backward_func, step=None):",
+         "train_step: expected parameters ['iteration'], missing ['iteration']"),
+        ("return {\"lm loss\": loss.detach()}, 0, False, False, 0, grad_norm, None, 0",
+         "return {\"lm loss\": loss.detach()}, 0, False, False, 0, grad_norm, None",
+         "train_step: expected every return to be a 8-tuple"),
+        ("def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,",
+         "def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, it,",
+         "checkpoint_and_decide_exit: expected parameters"),
+        ("def get_signal_handler():", "def get_the_signal_handler():",
+         "get_signal_handler: expected a function, found none"),
+        ("_signal_received", "_got_signal", "expected the flag attribute _signal_received"),
+    ],
+    ids=["train_step_iteration", "train_step_arity", "decide_exit_params", "signal_getter",
+         "signal_flag"],
+)
+def test_a_renamed_symbol_is_refused_with_one_error_naming_it_and_the_version(
+        tmp_path, monkeypatch, old, new, named):
+    assert old in STANDIN
+    module = _standin_module(tmp_path, monkeypatch, STANDIN.replace(old, new))
+    with pytest.raises(contract.ContractError) as err:
+        contract.check(module, signal_module=module)
+    message = str(err.value)
+    assert named in message and "megatron-core " in message and "standin_contract.py" in message
+    assert message.count("\n  megatron") == 1
+
+
+def test_the_launcher_refuses_a_mismatched_megatron_before_it_starts(tmp_path, capsys,
+                                                                     monkeypatch):
+    module = _standin_module(tmp_path, monkeypatch,
+                             STANDIN.replace("iteration=None):", "step=None):"))
+    monkeypatch.setattr(megatron_lm, "_INSTALLED", None)
+    real_install = megatron_lm.install
+
+    def install(config):
+        return real_install(config, training=module, signal_module=module)
+
+    monkeypatch.setattr(megatron_lm, "install", install)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    script = _script_that_must_not_run(tmp_path)
+    cfg = tmp_path / "ok.yaml"
+    cfg.write_text("qk:\n  interval: 5\n")
+    assert launcher.main([str(script), "--mechmon-config", str(cfg)]) == 2
+    assert "train_step: expected parameters" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()
 
 
 # ----------------------------------------------------------------------------------------------

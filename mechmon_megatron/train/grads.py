@@ -5,7 +5,10 @@ reductions itself, in a fixed order on every rank:
 
 1. Parameters replicated across TP whose inputs are sequence-sharded (norms and the router under
    sequence parallelism, tagged ``param.sequence_parallel``): each TP rank saw a different slice
-   of the sequence, so the full gradient is the SUM over the TP group.
+   of the sequence, so the full gradient is the SUM over the TP group. The same for the
+   per-head ``q_layernorm`` / ``k_layernorm`` scales with ``qk_layernorm``: each TP rank's copy
+   saw only its own heads (megatron's ``_allreduce_non_tensor_model_parallel_grads`` sums them
+   too; without it the replicas drift apart and a checkpoint keeps only rank 0's).
 2. Dense parameters: mean over the data-parallel group (each DP rank saw different samples).
 3. Expert parameters (``param.allreduce is False``): SUM over the expert-data-parallel group,
    scaled by 1/DP. Expert parallelism is carved out of DP and the dispatcher already brought
@@ -40,9 +43,12 @@ def sync_grads(model: torch.nn.Module) -> None:
     """All-reduce gradients of ``model`` across TP (sequence-parallel params), DP and expert-DP."""
     from megatron.core import parallel_state as ps
 
-    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
-    seq_parallel = [p for p in params if getattr(p, "sequence_parallel", False)]
-    _flat_reduce(seq_parallel, ps.get_tensor_model_parallel_group(), 1.0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and p.grad is not None]
+    params = [p for _, p in named]
+    qk_norm = bool(getattr(getattr(model, "config", None), "qk_layernorm", False))
+    tp_sum = [p for n, p in named if getattr(p, "sequence_parallel", False)
+              or (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))]
+    _flat_reduce(tp_sum, ps.get_tensor_model_parallel_group(), 1.0)
 
     dense = [p for p in params if getattr(p, "allreduce", True)]
     expert = [p for p in params if not getattr(p, "allreduce", True)]

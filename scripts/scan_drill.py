@@ -56,7 +56,26 @@ def train_config(name: str, out: Path, steps: int, every: int, fault_start: int,
     }
 
 
-def _row(name: str, run: dict[str, Any], result: Any, seconds: float) -> str:
+def _ema(path: Path) -> dict[int, float]:
+    """Loss EMA (weight 0.1 per step) of a run's ``train.jsonl``, by step."""
+    out, ema = {}, None
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        ema = row["loss"] if ema is None else 0.9 * ema + 0.1 * row["loss"]
+        out[int(row["step"])] = ema
+    return out
+
+
+def divergence(run_dir: Path, healthy_dir: Path, margin: float = 0.25) -> int | None:
+    """First step where the run's smoothed loss exceeds the healthy run's by ``margin`` nats
+    (the drill's rule)."""
+    faulty, healthy = _ema(run_dir / "train.jsonl"), _ema(healthy_dir / "train.jsonl")
+    return next((s for s in sorted(faulty) if s in healthy and faulty[s] > healthy[s] + margin),
+                None)
+
+
+def _row(name: str, run: dict[str, Any], result: Any, seconds: float,
+         diverged: int | None) -> str:
     alarm = result.alarm
     first = alarm["evidence"][0] if alarm else {}
     where = (f"`{first['signal']}`" if first else "-")
@@ -64,7 +83,7 @@ def _row(name: str, run: dict[str, Any], result: Any, seconds: float) -> str:
              "ALARM" if alarm else "silent", str(alarm["onset_step"]) if alarm else "-",
              str(alarm["alarm_step"]) if alarm else "-",
              alarm["fault_class"] if alarm else "-", where,
-             str(run.get("divergence_step") or "-"), f"{seconds:.1f}"]
+             str(diverged or "-"), f"{seconds:.1f}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -86,7 +105,7 @@ def main() -> None:
     torch.set_num_threads(1)
     out = Path(args.out)
     rows = ["| run | fault start | checkpoints | scan | onset | alarm | fault class | "
-            "first evidence | divergence (trainer) | scan s |",
+            "first evidence | loss gap > 0.25 at | scan s |",
             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in args.runs:
         cfg = train_config(name, out, args.steps, args.every, args.fault_start, args.seed)
@@ -97,7 +116,11 @@ def main() -> None:
             print(f"scan_drill: trained {name} in {time.time() - tick:.0f} s", flush=True)
         tick = time.time()
         result = scan(cfg["out_dir"], progress=False)
-        rows.append(_row(name, json.loads(done.read_text()), result, time.time() - tick))
+        seconds = time.time() - tick
+        healthy = out / ("healthy-moe" if "num_moe_experts" in RUNS[name][0] else "healthy-dense")
+        diverged = (divergence(Path(cfg["out_dir"]), healthy)
+                    if RUNS[name][1] and (healthy / "train.jsonl").is_file() else None)
+        rows.append(_row(name, json.loads(done.read_text()), result, seconds, diverged))
         print(rows[-1], flush=True)
     print("\n".join(rows))
 

@@ -5,12 +5,20 @@
 #   hosts      <- scontrol show hostnames "$SLURM_JOB_NODELIST"   (first host = rendezvous host)
 #   srun       -> one torchrun per node, c10d rendezvous at $MASTER_ADDR:$MASTER_PORT
 #   USR1/TERM  -> preemption / time limit: SIGTERM forwarded to srun, the run saves and exits
-#   exit       -> mechmon_decide: alarm | preempted | rerun | node_failure | done | failed
+#   exit       -> mechmon_decide: alarm | no_restart | preempted | rerun | node_failure | done |
+#                 failed
 #   requeue    <- preempted, Megatron's rerun code 16, node failure (bounded by MECHMON_MAX_REQUEUES)
-#   never      <- alarm (exit code MECHMON_EXIT_CODE, default 86): the alarm report is printed
+#   never      <- alarm (exit code MECHMON_EXIT_CODE, default 86): the alarm report is printed;
+#                 NVRx no-restart (exit MECHMON_NVRX_NO_RESTART_EXIT_CODE, default 93)
 #
 # torchrun reports any failed worker as exit code 1, so the alarm is also recognised by a
 # alarm.json under MECHMON_ALARM_DIR that is newer than the start of this attempt.
+#
+# NVRx ft_launcher (TORCHRUN=ft_launcher): it restarts workers after any non-zero exit, so under
+# it mechmon's workers leave an alarm with exit 0 and ft_launcher ends the job; a clean exit with
+# a fresh alarm.json whose action is checkpoint_and_exit is the alarm. ft_launcher's own
+# no-restart code (--ft-no-restart-exit-code, MECHMON_NVRX_NO_RESTART_EXIT_CODE, default 93:
+# NVRx decided the job must not restart) is never requeued either.
 #
 # MECHMON_DRY_RUN=1: no SLURM needed; a 2-node x 8-GPU allocation is simulated and every command
 # (srun, scontrol) is printed instead of run.
@@ -18,6 +26,7 @@
 MECHMON_EXIT_CODE="${MECHMON_EXIT_CODE:-86}"
 MECHMON_MAX_REQUEUES="${MECHMON_MAX_REQUEUES:-5}"
 MECHMON_RERUN_EXIT_CODE="${MECHMON_RERUN_EXIT_CODE:-16}"
+MECHMON_NVRX_NO_RESTART_EXIT_CODE="${MECHMON_NVRX_NO_RESTART_EXIT_CODE:-93}"
 MECHMON_DRY_RUN="${MECHMON_DRY_RUN:-0}"
 MECHMON_PREEMPTED=0
 MECHMON_SRUN_PID=""
@@ -142,13 +151,26 @@ mechmon_bad_nodes() {
   done < <(mechmon_hosts)
 }
 
+# True if the alarm file $1 asked the job to stop (action checkpoint_and_exit), as opposed to
+# an alarm that was only logged (log / warn) while training went on.
+mechmon_alarm_stops() {
+  python3 - "$1" <<'EOF'
+import json, sys
+with open(sys.argv[1], encoding="utf-8") as fh:
+    sys.exit(0 if json.load(fh).get("action") == "checkpoint_and_exit" else 1)
+EOF
+}
+
 # Classify one attempt. Args: exit status, preempted (0/1), fresh alarm file (may be empty),
 # comma-separated bad nodes (may be empty).
-# Prints one of: alarm | preempted | rerun | node_failure | done | failed.
+# Prints one of: alarm | no_restart | preempted | rerun | node_failure | done | failed.
 mechmon_decide() {
   local rc=$1 preempted=$2 alarm_file=$3 bad_nodes=$4
-  if [[ "$rc" == "$MECHMON_EXIT_CODE" ]] || { [[ "$rc" != 0 ]] && [[ -n "$alarm_file" ]]; }; then
+  if [[ "$rc" == "$MECHMON_EXIT_CODE" ]] || { [[ "$rc" != 0 ]] && [[ -n "$alarm_file" ]]; } \
+    || { [[ "$rc" == 0 ]] && [[ -n "$alarm_file" ]] && mechmon_alarm_stops "$alarm_file"; }; then
     echo alarm
+  elif [[ "$rc" == "$MECHMON_NVRX_NO_RESTART_EXIT_CODE" ]]; then
+    echo no_restart
   elif [[ "$preempted" == 1 ]]; then
     echo preempted
   elif [[ "$rc" == "$MECHMON_RERUN_EXIT_CODE" ]]; then
@@ -192,6 +214,10 @@ mechmon_finish() {
         echo "mechmon alarm: no fresh alarm.json found under $alarm_dir"
       fi
       return "$MECHMON_EXIT_CODE"
+      ;;
+    no_restart)
+      mechmon_log "NVRx decided the job must not restart (exit $rc): NOT requeueing"
+      return "$rc"
       ;;
     preempted | rerun)
       mechmon_requeue "$outcome" || return "$rc"

@@ -204,6 +204,34 @@ def test_an_old_alarm_file_does_not_turn_a_crash_into_an_alarm(job):
     assert "outcome failed" in out and not _requeued(calls)
 
 
+def test_under_ft_launcher_a_clean_exit_with_a_fresh_stopping_alarm_is_the_alarm(job):
+    code, out, calls = job("alarm:0", FAKE_ALARM=json.dumps({**ALARM,
+                                                              "action": "checkpoint_and_exit"}))
+    assert code == 86, out
+    assert not _requeued(calls) and "outcome alarm" in out
+
+
+def test_a_logged_alarm_does_not_turn_a_clean_exit_into_an_alarm(job):
+    code, out, calls = job("alarm:0", FAKE_ALARM=json.dumps({**ALARM, "action": "warn"}))
+    assert code == 0, out
+    assert "outcome done" in out and not _requeued(calls)
+
+
+def test_nvrx_no_restart_code_93_is_never_requeued(job):
+    code, out, calls = job("exit:93")
+    assert code == 93, out
+    assert "outcome no_restart" in out and not _requeued(calls)
+    code, out, calls = job("alarm:93")
+    assert code == 86 and "outcome alarm" in out, out
+
+
+def test_ft_launcher_and_its_restarts_are_environment_overrides(tmp_path):
+    env = _clean_env(HOME=str(tmp_path), TORCHRUN="ft_launcher", MAX_RESTARTS="3")
+    out = subprocess.run(["bash", str(SBATCH["megatron"]), "--dry-run"], capture_output=True,
+                         text=True, check=True, env=env, cwd=tmp_path).stdout
+    assert "ft_launcher --nnodes=2" in out and "--max-restarts=3" in out
+
+
 def test_megatrons_rerun_code_16_is_requeued_and_17_is_not(job):
     code, out, calls = job("exit:16")
     assert code == 0 and _requeued(calls), out

@@ -27,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--quick", action="store_true",
-                        help="reduced campaign for CI: one seed, 450 steps, attention and lr")
+                        help="reduced campaign for CI: one seed, 450 steps, attention and lr_dense")
     parser.add_argument("--seeds", type=int,
                         help=f"seeds per fault (default 3, quick 1; at most {len(DEFAULT_SEEDS)})")
     parser.add_argument("--faults", nargs="+", choices=FAULT_CLASSES, metavar="FAULT",

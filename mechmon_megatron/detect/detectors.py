@@ -12,7 +12,7 @@ until it has formed; ``direction`` orients z so that positive means "toward the 
 | ------------ | ------------------------------------------------------------ | ------------ |
 | robust_z     | s > threshold on k of the last n samples                      | s            |
 | cusum        | S = max(0, S + clip(s, +-h/2) - drift) > h                     | S            |
-| bounds       | x < min or x > max                                           | distance out |
+| bounds       | x < min or x > max on k of the last n samples                | distance out |
 | loss_spike   | Megatron: |x| >= factor * max |x| of the first num_samples     | |x| / max    |
 | loss_z       | (x - mean) / std over the previous window > threshold         | z            |
 | grad_norm_z  | same rule on the grad norm                                   | z            |
@@ -214,24 +214,27 @@ class Cusum(Detector):
 
 
 class Bounds(Detector):
-    """Absolute bounds, from the first sample."""
+    """Absolute bounds, from the first sample, out of bounds on ``k`` of the last ``n``."""
 
     name = "bounds"
+    _state = ("recent",)
 
     def __init__(self, signal: str, family: str, baseline: Baseline, config: BoundsConfig) -> None:
         self.baseline, self.config = baseline, config
         super().__init__(signal, family)
 
     def _clear(self) -> None:
-        pass
+        self.recent: list[list] = []  # [step, out of bounds] of the last n samples
 
     def _update(self, step: int, value: float) -> Finding | None:
         lo, hi = self.config.min, self.config.max
         out = max(lo - value if lo is not None else 0.0, value - hi if hi is not None else 0.0)
-        if out <= 0.0:
+        self.recent = (self.recent + [[step, out > 0.0]])[-self.config.n:]
+        hits = [t for t, e in self.recent if e]
+        if out <= 0.0 or len(hits) < self.config.k:
             return None
         b = self.baseline
-        return self._finding(step, step, value, b.location, b.scale, out)
+        return self._finding(step, hits[0], value, b.location, b.scale, out)
 
 
 class LossSpike(Detector):

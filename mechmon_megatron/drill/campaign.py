@@ -11,6 +11,8 @@ their mechanism is the router's.
 | --------- | ----- | --------------------------------------------------------------------- |
 | attention | dense | round-away of 7 low bf16 mantissa bits of O_bar in layer 2, all rows   |
 | lr        | moe   | every LR ramped linearly to 30x over 200 steps                         |
+| lr_dense  | dense | the same ramp on the dense model                                       |
+| lr_step   | dense | every LR x30 at once                                                   |
 | router    | moe   | router LR ramped to x1000 over 100 steps, load-balancing loss off      |
 | compound  | moe   | attention (as above) + lr (as above)                                   |
 
@@ -47,7 +49,7 @@ __all__ = [
     "build_campaign",
 ]
 
-FAULT_CLASSES = ("attention", "lr", "router", "compound")
+FAULT_CLASSES = ("attention", "lr", "lr_dense", "lr_step", "router", "compound")
 """Fault classes drilled, in report order."""
 
 FAULT_START = 150
@@ -59,7 +61,7 @@ count as diverged (see :func:`mechmon_megatron.drill.evaluate.divergence_step`);
 loss at the fault start. Router collapse in this model costs ~0.3 nats at most, so a larger
 margin would leave the router drill without a divergence."""
 
-QUICK_FAULTS = ("attention", "lr")
+QUICK_FAULTS = ("attention", "lr_dense")
 """Fault classes of the quick campaign: one per mechanism family."""
 
 DEFAULT_SEEDS = (1234, 99, 7, 2024, 31337)
@@ -67,19 +69,22 @@ DEFAULT_SEEDS = (1234, 99, 7, 2024, 31337)
 
 _ATTENTION = {"mode": "round_away", "bits": 7, "rate": 1.0, "layers": [2], "where": "output"}
 _LR = {"factor": 30.0, "ramp_steps": 200}
+_LR_STEP = {"factor": 30.0, "ramp_steps": 0}
 _ROUTER = {"lr_multiplier": 1000.0, "ramp_steps": 100, "disable_aux_loss": True}
 
 FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
     "attention": ("dense", {"kind": "attention", "attention": _ATTENTION}),
     "lr": ("moe", {"kind": "lr", "lr": _LR}),
+    "lr_dense": ("dense", {"kind": "lr", "lr": _LR}),
+    "lr_step": ("dense", {"kind": "lr", "lr": _LR_STEP}),
     "router": ("moe", {"kind": "router", "router": _ROUTER}),
     "compound": ("moe", {"kind": "compound", "compound": ["attention", "lr"],
                          "attention": _ATTENTION, "lr": _LR}),
 }
 """Fault class -> (model, ``fault:`` section without ``start_step``)."""
 
-MECHANISM_FAMILIES = {"attention": ("attn",), "lr": ("router",), "router": ("router",),
-                      "compound": ("attn", "router")}
+MECHANISM_FAMILIES = {"attention": ("attn",), "lr": ("optim",), "lr_dense": ("optim",),
+                      "lr_step": ("optim",), "router": ("router",), "compound": ("attn", "optim")}
 """Families the mechanism monitor should name for each fault class."""
 
 DRILL_DETECTORS: dict[str, Any] = {
@@ -180,6 +185,7 @@ def train_config(model: str, seed: int, steps: int, fault: dict[str, Any] | None
     mechmon: dict[str, Any] = {
         "preset": "moe" if moe else "dense",
         "qk": {"interval": 10, "terms": ["delta2", "dwq", "dwk"]},
+        "optim": {"interval": 10, "sharpness": {"interval": 10}},
         "detectors": copy.deepcopy(detectors),
         "actions": {"on_alarm": "log"},
         "sinks": {"console": {"enabled": False}},

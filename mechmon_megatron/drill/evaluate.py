@@ -10,7 +10,7 @@ from the campaign's ``mechmon.detectors`` settings with only that detector enabl
 
 | name        | rule                                                       | fed              |
 | ----------- | ---------------------------------------------------------- | ---------------- |
-| mechmon     | attn + router families (robust z, CUSUM) -> diagnosis      | metrics.jsonl    |
+| mechmon     | mechanism families (attn, router, optim, ...) -> diagnosis | metrics.jsonl    |
 | loss_spike  | Megatron: loss >= 10 x max of its first 100 samples        | train.jsonl loss |
 | loss_z      | loss z-score vs the previous 100 steps > 6                 | train.jsonl loss |
 | grad_norm_z | grad-norm z-score vs the previous 100 steps > 6            | train.jsonl norm |
@@ -130,7 +130,8 @@ def detector_config(name: str, detectors: Mapping[str, Any]) -> Any:
     """
     cfg = load_config({"detectors": dict(detectors)}).detectors
     mech = name == "mechmon"
-    cfg.attn.enabled = cfg.router.enabled = mech
+    for family, fam in cfg.families().items():
+        fam.enabled = mech and family != "global"
     cfg.global_.enabled = name == "global"
     if name == "global":
         cfg.warmup_samples = _PER_STEP_WARMUP

@@ -31,7 +31,8 @@ __all__ = ["LEAD_TARGET_PCT", "EXPECTED_CLASS", "evaluate_campaign", "write_repo
 LEAD_TARGET_PCT = 30.0
 """Target lead of the mechanism monitor, percent of the fault-to-divergence interval."""
 
-EXPECTED_CLASS = {"attention": "attention", "lr": "router_collapse", "router": "router_collapse"}
+EXPECTED_CLASS = {"attention": "attention", "lr": "lr", "lr_dense": "lr", "lr_step": "lr",
+                  "router": "router_collapse"}
 """Diagnosis expected at the alarm for each single fault (a compound fault is judged by the
 families alarming before the divergence)."""
 

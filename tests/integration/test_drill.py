@@ -29,7 +29,7 @@ def test_campaign_pairs_every_fault_run_with_the_healthy_run_of_its_model_and_se
     campaign = build_campaign(seeds=2)
     names = campaign.by_name()
     faulty = [r for r in campaign.runs if r.fault != "healthy"]
-    assert len(faulty) == 4 * 2
+    assert len(faulty) == 6 * 2
     for run in faulty:
         healthy = names[run.healthy]
         assert (healthy.model, healthy.seed, healthy.fault) == (run.model, run.seed, "healthy")

@@ -122,6 +122,22 @@ def test_bounds_fire_from_the_first_sample():
     assert (finding.detector, step, finding.score) == ("bounds", INTERVAL, 0.5)
 
 
+def test_bounds_with_persistence_need_k_of_the_last_n_samples_out():
+    config = load_config({"detectors": {"attn": {"bounds": {"max": 1.0, "k": 2, "n": 3}}}})
+    found = _run(DetectorBank(config, [ATTN]), [1.5, 0.5, 0.9, 1.2, 0.3, 1.1, 0.2])
+    ((step, (finding,)),) = found
+    assert (step, finding.onset_step) == (5 * INTERVAL, 3 * INTERVAL)
+    with pytest.raises(ValueError, match=r"bounds\.k: invalid value 3"):
+        load_config({"detectors": {"attn": {"bounds": {"k": 3, "n": 2}}}})
+
+
+def test_the_default_edge_of_stability_bound_is_absolute_and_persistent():
+    bank = DetectorBank(MechMonConfig.defaults(), ["optim/sharpness/eos_ratio"])
+    found = _run(bank, [0.9, 1.3, 0.8, 1.4], signal="optim/sharpness/eos_ratio")
+    ((step, (finding,)),) = found
+    assert (finding.detector, step, finding.family) == ("bounds", 3 * INTERVAL, "optim")
+
+
 def test_megatron_spiky_loss_rule_uses_the_max_of_the_first_samples_and_only_logs():
     bank = DetectorBank(MechMonConfig.defaults(), [LOSS])
     losses = [10.0 - 0.05 * i for i in range(100)] + [2.0] * 50 + [99.0, 100.0]

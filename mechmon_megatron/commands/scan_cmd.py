@@ -32,7 +32,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         "kv_channels (a reference-trainer config or an HF config.json work too)")
     parser.add_argument("--warmup-samples", type=int,
                         help="pairs forming the detectors' baseline (default: the config's "
-                        "warmup_samples, at most a third of the pairs, at least 3)")
+                        "warmup_samples, at most a third of the pairs, at least 4)")
     parser.add_argument("--no-update-ratios", action="store_true",
                         help="read only the Q/K and router tensors (skip the update ratios)")
     parser.add_argument("--no-plots", action="store_true", help="skip scan.png")

@@ -2,7 +2,8 @@
 
 The series of a scan is short (one sample per checkpoint pair), so the baseline is formed from
 the first pairs: ``warmup_samples`` is the configured value, capped at a third of the pairs (at
-least 3) unless given explicitly. The median absolute deviation of three or four samples
+least 4: the median absolute deviation of 3 samples is the smaller of two distances) unless
+given explicitly. The median absolute deviation of three or four samples
 underestimates the spread (a random walk of synthetic weights gave a MAD scale of 0.018 nats
 for an entropy that moves by 0.1 between pairs, and a CUSUM alarm), so every baseline's scale is
 floored at :data:`SCAN_MIN_REL_SCALE` of its location (the configured ``min_rel_scale`` when
@@ -28,10 +29,10 @@ SCAN_MIN_REL_SCALE = 0.05
 
 def scan_warmup(configured: int, pairs: int, explicit: int | None = None) -> int:
     """Baseline samples of a scan of ``pairs`` pairs: ``explicit``, else
-    ``min(configured, max(3, pairs // 3))``."""
+    ``min(configured, max(4, pairs // 3))``."""
     if explicit is not None:
         return int(explicit)
-    return min(int(configured), max(3, pairs // 3))
+    return min(int(configured), max(4, pairs // 3))
 
 
 def _floored(baseline: Any) -> Any:

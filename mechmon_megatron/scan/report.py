@@ -111,7 +111,11 @@ def render_markdown(result: Any, plot_name: str | None) -> str:
         lines += [f"![scan]({plot_name})", ""]
     alarm = result.alarm
     lines += ["## Verdict", ""]
-    if alarm is None:
+    if alarm is None and len(result.rows) <= rep.warmup_samples:
+        lines.append(f"Nothing to detect: all {len(result.rows)} checkpoint pairs form the "
+                     f"baseline ({rep.warmup_samples} samples); scan more checkpoints or pass "
+                     "--warmup-samples.")
+    elif alarm is None:
         lines.append(f"Silent: no detector alarmed over {len(result.rows)} checkpoint pairs.")
     else:
         lines += [f"**Alarm at step {alarm['alarm_step']}** (onset step {alarm['onset_step']}): "

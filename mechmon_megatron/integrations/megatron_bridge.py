@@ -1,0 +1,240 @@
+"""Megatron-Bridge: mechmon as a training callback.
+
+::
+
+    from megatron.bridge.training.pretrain import pretrain
+    from mechmon_megatron.integrations.megatron_bridge import MechMonCallback
+
+    pretrain(config, forward_step, callbacks=[MechMonCallback("mechmon.yaml")])
+
+Bridge fires its callbacks on every rank, in this order per iteration (``train_state.step`` =
+completed updates, incremented after ``on_train_step_end``)::
+
+    on_train_start                 build monitors from ctx.model / ctx.optimizer, attach (sinks on
+                                   rank world_size - 1 with Bridge's TensorBoard / W&B loggers),
+                                   load <load>/iter_NNNNNNN/mechmon_rank{r}.pt, check_resume()
+    on_train_step_start            begin_step(step + 1)
+      train_step                   forward/backward/optimizer step
+    on_train_step_end              end_step(step + 1, loss_dict["lm loss"], grad_norm)
+    train_state.step += 1
+    checkpoint_and_decide_exit     saves through save_checkpoint  [wrapped: + mechmon_rank{r}.pt]
+    sys.exit(exit_code)            after should_exit
+
+An alarm with ``checkpoint_and_exit``: a callback can neither return an exit request nor set the
+exit code, and Bridge has no checkpoint-save event. So the callback sets the exit-signal-handler
+flag (``cfg.train.exit_signal_handler`` is switched on if it was off; ``signals_received()`` is a
+world all-gather, and every rank sets the flag at the same agreed step), Bridge's own
+``checkpoint_and_decide_exit`` saves the checkpoint of that step and leaves the loop, and the
+wrapped ``save_checkpoint`` (a module global of ``megatron.bridge.training.train``) writes the
+monitor state beside it. Rank 0 writes ``alarm.json`` in the save directory first.
+
+**Exit code consequence:** Bridge leaves that branch with ``sys.exit(0)`` (its ``exit_code``
+comes from ``train_step``, which a callback cannot reach), so the process exits **0**, not
+``actions.exit_code``. The alarm is recognised by a fresh ``alarm.json`` whose ``action`` is
+``checkpoint_and_exit``; the SLURM templates treat exactly that as the alarm (exit 86, no
+requeue), the same rule as under NVRx's ft_launcher. On resume before any step
+(``on_train_start``) nothing needs saving, so the callback raises ``SystemExit(exit_code)`` on
+every rank after they agreed, and that code (86) does reach the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
+from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.monitor import MechMon
+from mechmon_megatron.sinks import build_sinks
+
+__all__ = ["BridgeActions", "MechMonCallback", "state_path"]
+
+TRAIN_MODULE = "megatron.bridge.training.train"
+LOSS_KEY = "lm loss"
+
+
+def state_path(checkpoint_dir: str, rank: int) -> str:
+    """File of rank ``rank``'s monitor state inside a checkpoint directory."""
+    return os.path.join(checkpoint_dir, f"mechmon_rank{rank}.pt")
+
+
+def _iteration_dir(save: str, iteration: int) -> str:
+    return os.path.join(save, f"iter_{iteration:07d}")
+
+
+class BridgeActions:
+    """:class:`~mechmon_megatron.actions.FrameworkActions` for Bridge's loop: both calls record;
+    Bridge saves and stops at the end of the iteration through its signal-handler branch."""
+
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.save_step: int | None = None
+        self.exit_code: int | None = None
+
+    def save_checkpoint(self, step: int) -> str | None:
+        """Return ``<save>/iter_NNNNNNN``, the checkpoint Bridge writes at the end of ``step``."""
+        save = self.state.cfg.checkpoint.save
+        if not save:
+            if comm.global_rank() == 0:
+                warnings.warn("mechmon: alarm without checkpoint.save: Bridge will stop without "
+                              "a checkpoint", RuntimeWarning, stacklevel=2)
+            return None
+        self.save_step = int(step)
+        return _iteration_dir(save, int(step))
+
+    def request_exit(self, exit_code: int) -> None:
+        """Set Bridge's exit-signal-handler flag; its loop saves and leaves after this step."""
+        self.exit_code = int(exit_code)
+        train_cfg = self.state.cfg.train
+        if not train_cfg.exit_signal_handler:
+            train_cfg.exit_signal_handler = True  # read by checkpoint_and_decide_exit each step
+        self.state.signal_handler._signal_received = True
+
+
+class MechMonCallback:
+    """A Megatron-Bridge callback (duck-typed: ``CallbackManager.add`` registers the ``on_*``
+    methods a class defines, so this class need not import Bridge).
+
+    Args:
+        config: a :class:`MechMonConfig`, or the path of a YAML/JSON mechmon config.
+        train_module: Bridge's training module (default: ``megatron.bridge.training.train``);
+            its ``save_checkpoint`` global is wrapped.
+    """
+
+    def __init__(self, config: MechMonConfig | str | os.PathLike[str],
+                 train_module: Any = None) -> None:
+        self.config = config if isinstance(config, MechMonConfig) else load_config(str(config))
+        self.train_module = train_module
+        self.mon: MechMon | None = None
+        self.actions: BridgeActions | None = None
+        self._original_save: Any = None
+
+    # -- events --------------------------------------------------------------------------------
+
+    def on_train_start(self, context: Any) -> None:
+        """Attach the monitors, wrap the save, restore state, re-raise a pending alarm."""
+        if not self.config.enabled or self.mon is not None:
+            return
+        from mechmon_megatron.integrations.megatron_core import build_monitors
+
+        state = context.state
+        monitors = build_monitors(self.config, list(context.model), context.optimizer)
+        logging_rank = comm.world_size() - 1
+        sinks = None
+        if comm.global_rank() == logging_rank:
+            sinks = build_sinks(self.config.sinks, self.config.output_dir,
+                                tensorboard_writer=getattr(state, "tensorboard_logger", None),
+                                wandb_run=getattr(state, "wandb_logger", None))
+        self.actions = BridgeActions(state)
+        self.mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks,
+                                               logging_rank=logging_rank)
+        atexit.register(self.mon.close)
+        self._wrap_save(state)
+        self._load_state(state)
+        verdict = self.mon.check_resume()
+        if verdict is not None and verdict.exit_requested:
+            self._leave_together()
+            raise SystemExit(self.actions.exit_code)
+
+    def on_train_step_start(self, context: Any) -> None:
+        """``begin_step`` of the update about to run."""
+        if self.mon is not None:
+            self.mon.begin_step(int(context.state.train_state.step) + 1)
+
+    def on_train_step_end(self, context: Any) -> None:
+        """``end_step`` after the optimizer step (Bridge increments its counter afterwards)."""
+        if self.mon is None:
+            return
+        step = int(context.state.train_state.step) + 1
+        self.mon.end_step(step, loss=_loss_of(context.loss_dict), grad_norm=context.grad_norm)
+        if self.actions.exit_code is not None:
+            self._leave_together()
+
+    def on_train_end(self, context: Any) -> None:
+        """Close the sinks at a clean end of training."""
+        if self.mon is not None:
+            self.mon.close()
+
+    # -- save and load -------------------------------------------------------------------------
+
+    def _wrap_save(self, state: Any) -> None:
+        module = self.train_module or importlib.import_module(TRAIN_MODULE)
+        self.train_module = module
+        original = module.save_checkpoint
+        self._original_save = original
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+            result = original(*args, **kwargs)
+            save = state.cfg.checkpoint.save
+            if save and not kwargs.get("non_persistent_ckpt"):
+                step = int(state.train_state.step)
+                directory = _iteration_dir(save, step)
+                self.mon.note_checkpoint(step, directory)
+                self._write_state(directory)
+            return result
+
+        module.save_checkpoint = save_checkpoint
+
+    def _write_state(self, directory: str) -> None:
+        rank = comm.global_rank()
+        path = state_path(directory, rank)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            torch.save({"world_size": comm.world_size(), "rank": rank,
+                        "mechmon": self.mon.state_dict()}, f"{path}.tmp")
+            os.replace(f"{path}.tmp", path)
+        except OSError as exc:
+            warnings.warn(f"mechmon: could not write {path} ({exc}); a resume from this "
+                          "checkpoint starts monitoring afresh", RuntimeWarning, stacklevel=2)
+
+    def _load_state(self, state: Any) -> None:
+        iteration = int(state.train_state.step)
+        load = getattr(state.cfg.checkpoint, "load", None)
+        if not load or iteration <= 0:
+            return
+        path = state_path(_iteration_dir(load, iteration), comm.global_rank())
+        saved = None
+        if os.path.isfile(path):
+            try:
+                # Written by _write_state above (nested dicts/lists/tensors/str).
+                data = torch.load(path, map_location="cpu", weights_only=False)
+                if (data["world_size"] == comm.world_size()
+                        and len(data["mechmon"]["monitors"]) == len(self.mon.monitors)):
+                    saved = data["mechmon"]
+            except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
+                warnings.warn(f"mechmon: {path} unreadable ({exc})", RuntimeWarning,
+                              stacklevel=2)
+        if self.mon.load_state_if_all(saved):
+            return
+        # Second latch: an unacknowledged stopping alarm raised at the resumed iteration.
+        alarm_file = os.path.join(load, ALARM_FILENAME)
+        if comm.global_rank() == 0 and os.path.isfile(alarm_file):
+            try:
+                alarm = read_alarm_json(alarm_file)
+            except (OSError, ValueError, TypeError):
+                return
+            if (alarm.alarm_step == iteration and alarm.action == "checkpoint_and_exit"
+                    and alarm.acknowledged_at is None):
+                self.mon.alarm = alarm
+
+    def _leave_together(self) -> None:
+        """Flush the sinks (and Bridge's TensorBoard logger) before any rank can leave."""
+        self.mon.close()
+        atexit.unregister(self.mon.close)
+        writer = getattr(self.actions.state, "tensorboard_logger", None)
+        if writer is not None:
+            writer.flush()
+        comm.barrier()
+
+
+def _loss_of(loss_dict: Mapping[str, Any] | None) -> Any:
+    if not loss_dict:
+        return None
+    return loss_dict.get(LOSS_KEY, next(iter(loss_dict.values())))

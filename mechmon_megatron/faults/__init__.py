@@ -30,6 +30,19 @@ over 4 heads) from linear_qkv snapshots every 10 steps)::
     * first of two monitored samples below half the healthy median of steps 50..100; the loss
       gap there is <= 0.02. Entropy falls to ~0.02-0.2 (healthy 0.5-1.4). ``rate: 0.5``:
       drop 170, loss +0.1/+0.25/+0.5 at 274/310/330; ``where: both``: 190, 265/353/474.
+
+FP8 stale delta (same model and schedule, ``attention: fp8_flash`` in every run, start 150,
+600 steps, drill attention detectors; ``scripts/fp8_attention_drill.py``)::
+
+    fault: {kind: fp8_attention, start_step: 150,
+            fp8_attention: {delta: stale, o_skew: 2.0, layers: [2]}}
+
+    seed  alarm (onset)  loss gap at alarm  loss +0.25  gap at 600   control (delta: matched)
+    1234   180 (160)         +0.008            290        +0.89       silent, gap +0.009
+      99   170 (160)         +0.004            367        +1.08       silent, gap +0.004
+       7   170 (160)         +0.019            224        +1.23       silent, gap +0.009
+    Layer 2's Delta2 entropy (min over heads) falls from ~1.2 to ~0.04; ``o_skew: 0`` (stale
+    delta without a stale O scale): no alarm, no loss gap in 450 faulty steps (seed 1234).
 """
 
 from __future__ import annotations

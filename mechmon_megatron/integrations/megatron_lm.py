@@ -31,7 +31,17 @@ Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by Me
 3. ``checkpoint_and_decide_exit``: with ``--exit-signal-handler`` Megatron's own signal branch
    saves and returns True; without it the wrapper calls ``save_checkpoint_and_time`` and returns
    True. Either way one checkpoint, written by Megatron, with the monitor state (alarm included).
-4. ``train()`` breaks and calls ``sys.exit(code)``.
+4. Before returning True the wrapper flushes the sinks and Megatron's TensorBoard writer and
+   holds every rank at one barrier (:meth:`MegatronLMHooks.leave_together`): torchrun SIGTERMs
+   the other workers as soon as one exits, so nothing may be left to write by then.
+5. ``train()`` breaks and calls ``sys.exit(code)``; under NVRx's ``ft_launcher`` the code is 0
+   (:func:`process_exit_code`).
+
+:func:`install` first checks the version contract
+(:mod:`~mechmon_megatron.integrations.megatron_lm_contract`); a mismatch raises before anything
+is wrapped. Hook points for more monitors: ``_setup_model_and_optimizer`` sees the model chunks,
+the optimizer and the scheduler (``result[2]``, the learning rate), ``_train_step`` sees
+``forward_step_func``, ``data_iterator`` and ``forward_backward_func`` of each iteration.
 
 Resuming from that checkpoint unchanged re-raises the alarm in ``check_resume`` and exits with
 the same code before any step; ``actions.acknowledge: <alarm_id>`` re-arms instead.

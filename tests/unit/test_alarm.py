@@ -122,6 +122,18 @@ def test_a_crash_during_the_write_keeps_the_previous_alarm_file(tmp_path, monkey
     assert os.listdir(tmp_path) == [ALARM_FILENAME]
 
 
+def test_a_new_alarm_keeps_the_earlier_report_and_a_reraise_rewrites_in_place(tmp_path) -> None:
+    first = make_alarm(acknowledged_at="2026-01-01T00:00:00Z")
+    write_alarm_json(first, tmp_path)
+    write_alarm_json(make_alarm(), tmp_path)  # the same alarm re-raised: rewritten in place
+    assert sorted(os.listdir(tmp_path)) == [ALARM_FILENAME]
+    second = make_alarm(alarm_id=alarm_id("attention_update", 300, "cafe"), alarm_step=300)
+    write_alarm_json(second, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [ALARM_FILENAME, f"alarm_{first.alarm_id}.json"]
+    assert read_alarm_json(tmp_path).alarm_id == second.alarm_id
+    assert read_alarm_json(tmp_path / f"alarm_{first.alarm_id}.json").alarm_step == 120
+
+
 def test_checkpoint_and_exit_saves_then_writes_beside_the_checkpoint_then_exits(tmp_path) -> None:
     framework = RecordingFramework(str(tmp_path / "save"))
     assert isinstance(framework, FrameworkActions)

@@ -14,7 +14,7 @@ from mechmon_megatron.cli import main
 from mechmon_megatron.math.spectra import qk_grams, qk_spectra, spectral_metrics, term_rank_bound
 from mechmon_megatron.scan import ScanError, scan
 
-NP, NG, HN, D, LAYERS = 4, 2, 4, 16, 2
+NP, NG, HN, D, LAYERS = 4, 2, 8, 32, 4
 ARGS = argparse.Namespace(num_attention_heads=NP, num_query_groups=NG, group_query_attention=True,
                           hidden_size=D, kv_channels=HN, qk_layernorm=True, num_layers=LAYERS)
 QKV = "decoder.layers.{}.self_attention.linear_qkv.weight"

@@ -156,6 +156,10 @@ class QKConfig:
     """Keep snapshots in host memory instead of device memory."""
     alpha: float = 2.0
     """Exponent of the spectral distribution p_i = s_i^alpha / sum_j s_j^alpha (2: energy)."""
+    coherence: bool = True
+    """Cosine of successive updates of each head's QK form (keeps W(t - 2 interval) too)."""
+    form_sigma1: bool = True
+    """Top singular value of each head's QK form W_Q W_K^T."""
     layer_sketch: SketchConfig = field(default_factory=SketchConfig)
     """Layer-level randomized sketch over all heads."""
 
@@ -314,15 +318,17 @@ class RobustZConfig:
 
     enabled: bool = True
     """Run this rule."""
-    threshold: float = 5.0
-    """|z| (in the alarm direction) a sample must exceed; z = (x - location) / scale."""
+    threshold: float | None = None
+    """|z| (in the alarm direction) a sample must exceed; z = (x - location) / scale. null:
+    from ``detectors.false_alarms_per_10k_steps`` (detect/budget.py)."""
     k: int = 3
     """Exceedances needed ..."""
     n: int = 4
     """... among the last n monitored samples."""
 
     def __post_init__(self) -> None:
-        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+        require(self.threshold is None or self.threshold > 0, "threshold", self.threshold,
+                "null or a number > 0")
         require(self.n >= 1, "n", self.n, "an integer >= 1")
         require(1 <= self.k <= self.n, "k", self.k, f"an integer in 1..n (n = {self.n})")
 
@@ -338,12 +344,13 @@ class CusumConfig:
     """Run this rule."""
     drift: float = 1.5
     """Allowance subtracted per sample (half the smallest shift worth detecting, in scales)."""
-    threshold: float = 12.0
-    """Decision interval h."""
+    threshold: float | None = None
+    """Decision interval h; null: from ``detectors.false_alarms_per_10k_steps``."""
 
     def __post_init__(self) -> None:
-        require(self.drift >= 0, "drift", self.drift, "a number >= 0")
-        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+        require(self.drift > 0, "drift", self.drift, "a number > 0")
+        require(self.threshold is None or self.threshold > 0, "threshold", self.threshold,
+                "null or a number > 0")
 
 
 @dataclass
@@ -386,20 +393,36 @@ class FamilyDetectorConfig:
     """Absolute bounds."""
     signal_bounds: dict[str, BoundsConfig] = field(default_factory=dict)
     """Absolute bounds of the signals matching a pattern (first match), instead of ``bounds``."""
+    peer_signals: list[str] = field(default_factory=list)
+    """Signals (patterns) judged against their peers: each sample's relative departure from the
+    median of the same signal over all layers at that step (a fault is local, a schedule moves
+    every layer; detect/peers.py)."""
     baseline: BaselineConfig | None = None
     """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
     defaults); null: use ``detectors.baseline``."""
 
 
+_ATTN_ENTROPIES = [
+    "attn/delta2/entropy/layer_*/min",
+    "attn/layer_delta2/entropy/layer_*",
+    "attn/dwq/entropy/layer_*/min",
+    "attn/dwk/entropy/layer_*/min",
+]
+
+
 def _attn_family() -> FamilyDetectorConfig:
+    # Spectral entropies against the other layers at the same step (a biased kernel drives a few
+    # layers; warm-up and LR decay move all of them); the cosine of successive updates is
+    # scale-free, so it is read as is and rises when one direction is written step after step.
     return FamilyDetectorConfig(
-        signals=[
-            "attn/delta2/entropy/layer_*/min",
-            "attn/layer_delta2/entropy/layer_*",
-            "attn/dwq/entropy/layer_*/min",
-            "attn/dwk/entropy/layer_*/min",
-        ],
+        signals=[*_ATTN_ENTROPIES, "attn/coherence/cos/layer_*/max"],
         direction="down",
+        directions={"attn/coherence/**": "up"},
+        peer_signals=list(_ATTN_ENTROPIES),
+        # Peer departures are fractions of the peers' level and the cosine lives in [-1, 1]:
+        # a scale floor of 0.02 (2% of the level, 0.02 in cosine) keeps the small wobbles of
+        # a short warm-up from reading as large z; slow drift of the peer offsets is tracked.
+        baseline=BaselineConfig(mode="tracked", track_rate=0.02, min_abs_scale=0.02),
     )
 
 
@@ -412,6 +435,9 @@ def _router_family() -> FamilyDetectorConfig:
         ],
         direction="up",
         directions={"router/entropy_mean/*": "down"},
+        # Experts specialise and routing sharpens slowly in healthy training: the baseline
+        # follows unsuspicious samples; its scale is floored at 2% of the level.
+        baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.02),
     )
 
 
@@ -423,6 +449,9 @@ def _optim_family() -> FamilyDetectorConfig:
         # estimates: healthy training hovers at the edge (single estimates near 1), a
         # too-large LR stays beyond it.
         signal_bounds={"optim/sharpness/eos_ratio": BoundsConfig(max=1.0, k=2, n=3)},
+        # Update ratios fall with LR decay and drift with weight growth: a tracked baseline, a
+        # scale floor of 5% of the level (their sample-to-sample noise).
+        baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.05),
     )
 
 
@@ -498,10 +527,14 @@ class ComparisonBaselinesConfig:
 class DetectorsConfig:
     """Per-signal baselines and the detectors of each family."""
 
+    false_alarms_per_10k_steps: float = 0.01
+    """False-alarm budget of the whole monitor: every rule threshold left null follows from it,
+    the number of watched signals and their monitor intervals (detect/budget.py)."""
     warmup_samples: int = 20
     """Monitored samples of each signal forming its baseline."""
     start_step: int = 0
-    """Samples at steps before this are ignored (except a non-finite loss)."""
+    """Samples at steps before this are ignored (except a non-finite loss); 0: the end of the
+    LR warm-up where the integration knows it (the reference trainer), else from the start."""
     compound_window: int = 0
     """Two families whose first onsets lie within this many steps make a ``compound`` fault."""
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
@@ -524,6 +557,8 @@ class DetectorsConfig:
 
     def __post_init__(self) -> None:
         require(self.warmup_samples >= 3, "warmup_samples", self.warmup_samples, "an integer >= 3")
+        require(self.false_alarms_per_10k_steps > 0, "false_alarms_per_10k_steps",
+                self.false_alarms_per_10k_steps, "a number > 0")
         require(self.start_step >= 0, "start_step", self.start_step, "an integer >= 0")
         require(
             self.compound_window >= 0, "compound_window", self.compound_window, "an integer >= 0"

@@ -19,6 +19,7 @@ z within the robust-z threshold and no detector latched).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,11 @@ from typing import Any
 from mechmon_megatron.config import DetectorsConfig, FamilyDetectorConfig, MechMonConfig
 from mechmon_megatron.detect.attribution import Diagnosis, diagnose
 from mechmon_megatron.detect.baseline import Baseline
+from mechmon_megatron.detect.budget import (
+    cusum_threshold,
+    per_sample_probability,
+    robust_z_threshold,
+)
 from mechmon_megatron.detect.detectors import (
     Bounds,
     Cusum,
@@ -38,6 +44,7 @@ from mechmon_megatron.detect.detectors import (
     ZSpike,
     orient,
 )
+from mechmon_megatron.detect.peers import PeerGroups
 
 __all__ = ["DetectorBank", "SignalChannel", "compile_pattern"]
 
@@ -127,29 +134,60 @@ class SignalChannel:
         self.nonfinite = int(sd["nonfinite"])
 
 
+DEFAULT_INTERVAL = 100
+"""Monitor interval assumed for a family when the bank is built from ``detectors`` alone."""
+
+
+def family_intervals(config: MechMonConfig) -> dict[str, int]:
+    """Monitor interval of each signal family under ``config``."""
+    out = {"attn": config.qk.interval, "router": config.router.interval,
+           "optim": config.optim.interval}
+    fp8 = getattr(config, "fp8", None)
+    if fp8 is not None and hasattr(fp8, "interval"):
+        out["fp8"] = fp8.interval
+    out["global"] = math.gcd(*out.values())
+    return out
+
+
 class DetectorBank:
     """All channels of a run.
 
+    Rule thresholds left null in the config follow from ``false_alarms_per_10k_steps``, the
+    number of watched family signals and each family's monitor interval (detect/budget.py);
+    :attr:`thresholds` records them.
+
     Args:
-        config: ``detectors`` section (or the whole config).
+        config: the whole config (intervals from its monitors) or its ``detectors`` section.
         signal_names: every signal name of the model.
+        intervals: ``{family: monitor interval}``; default from ``config`` when it is a
+            :class:`MechMonConfig`, else :data:`DEFAULT_INTERVAL`.
     """
 
     def __init__(
-        self, config: DetectorsConfig | MechMonConfig, signal_names: Iterable[str]
+        self, config: DetectorsConfig | MechMonConfig, signal_names: Iterable[str],
+        intervals: Mapping[str, int] | None = None,
     ) -> None:
         if isinstance(config, MechMonConfig):
+            intervals = intervals or family_intervals(config)
             config = config.detectors
         self.config = config
+        self.intervals = dict(intervals or {})
         names = sorted(set(signal_names))
         self.channels: dict[str, SignalChannel] = {}
+        watched = []
         for family, fam in config.families().items():
             if not fam.enabled:
                 continue
             patterns = [compile_pattern(p) for p in fam.signals]
-            for name in names:
-                if name.startswith(family + "/") and any(p.match(name) for p in patterns):
-                    self._family_channel(name, family, fam)
+            watched += [(name, family, fam) for name in names
+                        if name.startswith(family + "/") and any(p.match(name) for p in patterns)]
+        self.thresholds: dict[str, dict[str, float]] = {}
+        peer_names = []
+        for name, family, fam in watched:
+            self._family_channel(name, family, self._resolved(fam, family, len(watched)))
+            if any(compile_pattern(p).match(name) for p in fam.peer_signals):
+                peer_names.append(name)
+        self.peers = PeerGroups(peer_names)
         if config.global_.enabled and LOSS in names:
             self._channel(LOSS).detectors.append(NonFinite(LOSS, "global"))
         cmp = config.baselines
@@ -161,6 +199,20 @@ class DetectorBank:
                 self._channel(name).detectors.append(ZSpike(label, name, "global", spec))
         self.channels = dict(sorted(self.channels.items()))
         self.alarming: list[Finding] = []
+
+    def _resolved(self, fam: FamilyDetectorConfig, family: str,
+                  signals: int) -> FamilyDetectorConfig:
+        """``fam`` with its null thresholds set from the false-alarm budget."""
+        p = per_sample_probability(self.config.false_alarms_per_10k_steps, signals,
+                                   int(self.intervals.get(family, DEFAULT_INTERVAL)))
+        rz, cs = fam.robust_z, fam.cusum
+        if rz.threshold is None:
+            rz = dataclasses.replace(rz, threshold=robust_z_threshold(p, rz.k, rz.n))
+        if cs.threshold is None:
+            cs = dataclasses.replace(cs, threshold=cusum_threshold(p, cs.drift))
+        self.thresholds[family] = {"robust_z": rz.threshold, "cusum": cs.threshold,
+                                   "per_sample_probability": p}
+        return dataclasses.replace(fam, robust_z=rz, cusum=cs)
 
     def _family_channel(self, name: str, family: str, fam: FamilyDetectorConfig) -> None:
         direction = next(
@@ -204,9 +256,11 @@ class DetectorBank:
             Findings of this step, ordered by signal name, then detector order.
         """
         findings: list[Finding] = []
+        relative = self.peers.transform(signals)
         for name, channel in self.channels.items():
             if name in signals:
-                findings.extend(channel.update(step, float(signals[name])))
+                value = relative.get(name, signals[name])
+                findings.extend(channel.update(step, float(value)))
         self.alarming.extend(f for f in findings if f.alarm)
         return findings
 

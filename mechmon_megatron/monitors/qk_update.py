@@ -20,6 +20,10 @@ Signals (L = global 1-based layer, H = global query head; docs/architecture.md):
                                                    (those in ``terms``), metric in entropy,
                                                    entropy_lo, entropy_hi, sigma1, fro,
                                                    stable_rank (alpha = 2)
+``attn/coherence/cos/layer_L/head_H``              cosine of the form's last two updates
+                                                   (``coherence``; :mod:`..math.coherence`)
+``attn/qk/sigma1/layer_L/head_H``                  sigma_1 of the form ``W_Q W_K^T``
+                                                   (``form_sigma1``); both with per-layer stats
 =================================================  ==============================================
 
 ``dwk`` of a GQA query head is its key group's value. A zero update (frozen layer) emits
@@ -44,6 +48,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
 from mechmon_megatron.math.sketch import SketchResult, subspace_iteration
 from mechmon_megatron.math.spectra import (
     METRICS,
@@ -149,7 +154,10 @@ class QKUpdateMonitor:
         self.terms = [t for t in ("delta2", "delta3", "delta1", "dwq", "dwk") if t in config.terms]
         sketch = config.layer_sketch
         self.layer_terms = [t for t in LAYER_TERMS if t in self.terms] if sketch.enabled else []
+        self.extra = ([("coherence", "cos")] if getattr(config, "coherence", False) else []) + (
+            [("qk", "sigma1")] if getattr(config, "form_sigma1", False) else [])
         self.snapshots: dict[int, dict[str, Any]] = {}
+        self._older: tuple[torch.Tensor, torch.Tensor] | None = None
         self.errors = 0
         self._observed = 0
         self._skipped = 0
@@ -169,6 +177,11 @@ class QKUpdateMonitor:
                         names += [f"{base}/head_{h}" for h in range(heads)]
             for term in self.layer_terms:
                 names += [f"attn/layer_{term}/{m}/layer_{layer}" for m in LAYER_METRICS]
+            for term, metric in self.extra:
+                base = f"attn/{term}/{metric}/layer_{layer}"
+                names += [f"{base}/{stat}" for stat in STATS]
+                if self.config.per_head:
+                    names += [f"{base}/head_{h}" for h in range(heads)]
         return sorted(names)
 
     def begin_step(self, step: int) -> None:
@@ -192,14 +205,14 @@ class QKUpdateMonitor:
         """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring) and
         ``memory_bytes`` held by the snapshots."""
         memory = sum(t.numel() * t.element_size() for snap in self.snapshots.values()
-                     for t in (snap["wq"], snap["wk"]))
+                     for key, t in snap.items() if key != "step" and t is not None)
         return {"found": len(self.sources), "observed": self._observed,
                 "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshots (CPU tensors) with their steps, and the error counter."""
-        snaps = {layer: {"step": s["step"], "wq": s["wq"].cpu(), "wk": s["wk"].cpu()}
-                 for layer, s in self.snapshots.items()}
+        snaps = {layer: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
+                         for k, v in s.items()} for layer, s in self.snapshots.items()}
         return {"version": 1, "snapshots": snaps, "errors": self.errors}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -250,10 +263,19 @@ class QKUpdateMonitor:
         wk = wk.detach().to(snap_dtype).float() if bf16 else wk.detach().float()
         prev = self.snapshots.get(source.layer)
         device = torch.device("cpu") if self.config.offload_snapshots else wq.device
-        self.snapshots[source.layer] = {"step": step, "wq": wq.to(device, snap_dtype, copy=True),
-                                        "wk": wk.to(device, snap_dtype, copy=True)}
+        snap = {"step": step, "wq": wq.to(device, snap_dtype, copy=True),
+                "wk": wk.to(device, snap_dtype, copy=True)}
+        self._older = None
         if prev is None or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape:
+            self.snapshots[source.layer] = snap
             return None
+        if self.extra and ("coherence", "cos") in self.extra:
+            # W(t - delta) stays for the next step's cosine of successive updates.
+            snap.update(wq_prev=prev["wq"], wk_prev=prev["wk"])
+            if prev.get("wq_prev") is not None:
+                self._older = (prev["wq_prev"].to(wq.device, torch.float32),
+                               prev["wk_prev"].to(wk.device, torch.float32))
+        self.snapshots[source.layer] = snap
         if step - prev["step"] != self.interval:
             self._warn_once("gap", f"update window {step - prev['step']} steps at step {step} "
                             f"(interval {self.interval}); using the actual window")
@@ -285,6 +307,7 @@ class QKUpdateMonitor:
                         per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = math.inf
                     elif metric == "fro" or not bool(zero_H[j]):
                         per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
+        per_head.update(self._form_signals(source, q, k))
         self._skipped += int(degenerate)
         self._observed += int(not degenerate)
         if self.config.per_head:
@@ -295,6 +318,26 @@ class QKUpdateMonitor:
         self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
                         "per_head=True; emitting NaN")
         return {k: (v if k.endswith("/mean") else math.nan) for k, v in stats.items()}
+
+    def _form_signals(self, source: QKSource, q: tuple, k: tuple) -> dict[str, float]:
+        """Per-head cosine of successive form updates and sigma_1 of the form (one transfer)."""
+        (wq0, wq1), (wk0, wk1) = q, k
+        g_H = source.group_index
+        rows: list[tuple[str, torch.Tensor]] = []
+        if ("coherence", "cos") in self.extra and self._older is not None:
+            older_q, older_k = self._older
+            rows.append(("attn/coherence/cos", update_cosine(
+                update_factors(wq0, wq1, wk0, wk1, g_H),
+                update_factors(older_q, wq0, older_k, wk0, g_H))))
+        if ("qk", "sigma1") in self.extra:
+            rows.append(("attn/qk/sigma1", form_sigma1(wq1, wk1, g_H)))
+        if not rows:
+            return {}
+        values = torch.stack([v for _, v in rows]).cpu().tolist()
+        heads = source.head_index.tolist()
+        return {f"{name}/layer_{source.layer}/head_{h}": v
+                for (name, _), vals in zip(rows, values, strict=True)
+                for h, v in zip(heads, vals, strict=True) if not math.isnan(v)}
 
     def _layer_signals(self, source: QKSource, step: int, pair: tuple | None) -> dict[str, float]:
         """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""

@@ -365,6 +365,10 @@ class _Trainer:
         self.probe_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if cfg.mechmon.enabled:
             mech = dataclasses.replace(cfg.mechmon, output_dir=cfg.out_dir)
+            if mech.detectors.start_step == 0 and cfg.optim.warmup_steps > 0:
+                # Baselines form on the trained-at-full-LR regime, not on the warm-up ramp.
+                mech = dataclasses.replace(mech, detectors=dataclasses.replace(
+                    mech.detectors, start_step=cfg.optim.warmup_steps))
             self.mon = attach(mech, [self.model], self.optimizer, actions=self,
                               probe_loss=self._probe_loss,
                               has_batch=lambda: self.probe_batch is not None)

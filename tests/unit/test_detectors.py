@@ -48,8 +48,11 @@ def test_no_alarm_on_twenty_thousand_samples_of_gaussian_noise():
 @pytest.mark.parametrize("shift", [3.0, 4.0])
 def test_step_change_of_three_to_four_scales_is_detected_within_a_few_samples(shift):
     change, delays, onset_errors = 200, [], []
+    pinned = load_config({"detectors": {"attn": {"robust_z": {"threshold": 5.0},
+                                                 "cusum": {"threshold": 12.0},
+                                                 "baseline": None}}})
     for seed in range(20):
-        bank = DetectorBank(MechMonConfig.defaults(), [ATTN])
+        bank = DetectorBank(pinned, [ATTN])
         found = _run(bank, _noise(seed, 400, -shift, change))
         assert found and found[0][0] >= change * INTERVAL, (seed, found)
         step, findings = found[0]
@@ -61,7 +64,8 @@ def test_step_change_of_three_to_four_scales_is_detected_within_a_few_samples(sh
 
 
 def test_cusum_onset_is_the_sample_where_the_sum_left_zero():
-    config = load_config({"detectors": {"attn": {"robust_z": {"enabled": False}}}})
+    config = load_config({"detectors": {"attn": {"robust_z": {"enabled": False},
+                                                 "cusum": {"threshold": 12.0}}}})
     bank = DetectorBank(config, [ATTN])
     values = [5.0 + (0.1 if i % 2 else -0.1) for i in range(20)] + [5.0] * 10 + [4.0] * 20
     (step, (finding,)), *_ = _run(bank, values)
@@ -92,7 +96,7 @@ def test_per_pattern_direction_override_applies():
 
 
 def test_zero_mad_warmup_is_floored_relative_to_the_location():
-    bank = DetectorBank(MechMonConfig.defaults(), [ATTN])
+    bank = DetectorBank(load_config({"detectors": {"attn": {"baseline": None}}}), [ATTN])
     assert not _run(bank, [5.0] * 20 + [4.999] * 30)
     baseline = bank.channels[ATTN].baseline
     assert baseline.scale == pytest.approx(0.005)
@@ -166,7 +170,7 @@ def test_tracked_baseline_follows_slow_drift_that_a_frozen_one_flags():
             }
         }
     )
-    frozen = load_config({"detectors": {"attn": {"direction": "up"}}})
+    frozen = load_config({"detectors": {"attn": {"direction": "up", "baseline": None}}})
     assert not _run(DetectorBank(tracked, [ATTN]), drift)
     assert _run(DetectorBank(frozen, [ATTN]), drift)
 

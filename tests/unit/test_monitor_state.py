@@ -1,8 +1,8 @@
 """The orchestrator over a synthetic monitor: state round trips, resume, errors, coverage.
 
 ``SyntheticMonitor`` is a deterministic signal generator that follows the Monitor protocol: per
-layer an attention entropy near 3.0 with small seeded noise that drops by 0.5 at each fault step
-(a level shift the default attn detectors see). ``SilentBank`` keeps a rank from tripping. Both
+layer an attention entropy near 3.0 with small seeded noise; layer 1's drops by 0.5 at each fault
+step (a local level shift: the default attn detectors compare a layer with its peers). ``SilentBank`` keeps a rank from tripping. Both
 are reused by the distributed tests.
 """
 
@@ -46,8 +46,9 @@ class SyntheticMonitor:
         if step % self.interval:
             return {}
         self.observed += 1
-        level = 3.0 - 0.5 * sum(step >= f for f in self.faults)
-        return {n: level + 0.01 * self.rng.gauss(0.0, 1.0) for n in self.signal_names()}
+        drop = 0.5 * sum(step >= f for f in self.faults)
+        return {n: 3.0 - (drop if i == 0 else 0.0) + 0.01 * self.rng.gauss(0.0, 1.0)
+                for i, n in enumerate(self.signal_names())}
 
     def coverage(self) -> dict[str, int]:
         return {"found": self.layers, "observed": self.layers, "skipped": 0, "errors": 0}

@@ -1,0 +1,74 @@
+"""One false-alarm budget sets every rule's threshold: the formulas, their scaling with the
+number of watched signals and the interval, and the bank resolving null thresholds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mechmon_megatron.config import load_config
+from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.detect.budget import (
+    LAPLACE_SCALE,
+    cusum_threshold,
+    per_sample_probability,
+    robust_z_threshold,
+)
+from mechmon_megatron.detect.peers import PeerGroups
+
+
+def test_per_sample_probability_splits_the_budget_over_signals_and_samples():
+    assert per_sample_probability(1.0, 10, 100) == pytest.approx(1e-3)
+    assert per_sample_probability(1.0, 80, 100) == pytest.approx(
+        per_sample_probability(1.0, 10, 100) / 8)
+    with pytest.raises(ValueError):
+        per_sample_probability(0.0, 1, 1)
+
+
+def test_robust_z_threshold_inverts_the_k_of_n_laplace_tail():
+    for p, k, n in ((1e-6, 3, 4), (1e-4, 2, 3), (1e-3, 1, 1)):
+        z = robust_z_threshold(p, k, n)
+        q = 0.5 * math.exp(-LAPLACE_SCALE * z)
+        assert math.comb(n - 1, k - 1) * q ** k == pytest.approx(p, rel=1e-9)
+    assert robust_z_threshold(1e-7, 3, 4) > robust_z_threshold(1e-5, 3, 4)
+
+
+def test_cusum_threshold_meets_the_run_length_and_its_floor():
+    h = cusum_threshold(1e-6, 0.5)
+    x = 2 * 0.5 * (h + 1.166)
+    assert (math.expm1(x) - x) / (2 * 0.25) == pytest.approx(1e6, rel=1e-6)
+    assert cusum_threshold(0.1, 1.5) == 6.0
+
+
+def test_the_bank_resolves_null_thresholds_from_the_budget_and_the_model_size():
+    def bank(layers: int, interval: int) -> DetectorBank:
+        cfg = load_config({"qk": {"interval": interval}})
+        names = [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, layers + 1)]
+        return DetectorBank(cfg, names)
+
+    small, large = bank(2, 100), bank(80, 100)
+    assert large.thresholds["attn"]["robust_z"] > small.thresholds["attn"]["robust_z"]
+    ratio = small.thresholds["attn"]["per_sample_probability"] / \
+        large.thresholds["attn"]["per_sample_probability"]
+    assert ratio == pytest.approx(40.0)
+    sparse = bank(2, 1000)
+    assert sparse.thresholds["attn"]["per_sample_probability"] == pytest.approx(
+        10 * small.thresholds["attn"]["per_sample_probability"])
+    pinned = DetectorBank(load_config({"detectors": {"attn": {"robust_z": {"threshold": 7.0}}}}),
+                          ["attn/delta2/entropy/layer_1/min"])
+    assert pinned.thresholds["attn"]["robust_z"] == 7.0
+
+
+def test_peers_remove_a_shift_shared_by_every_layer_and_keep_a_local_one():
+    names = [f"attn/delta2/entropy/layer_{i}/min" for i in (1, 2, 3)]
+    peers = PeerGroups(names + ["attn/delta2/entropy/layer_9/head_0"])
+    assert "attn/delta2/entropy/layer_9/head_0" not in peers
+    shared = peers.transform({names[0]: 1.5, names[1]: 1.6, names[2]: 1.4})
+    local = peers.transform({names[0]: 1.5, names[1]: 0.6, names[2]: 1.4})
+    assert shared[names[1]] == pytest.approx(0.15 / 1.45)
+    assert local[names[1]] == pytest.approx(-0.85 / 1.45)
+    nan = peers.transform({names[0]: float("nan"), names[1]: 1.0, names[2]: math.inf})
+    assert math.isnan(nan[names[0]]) and math.isnan(nan[names[1]]) and nan[names[2]] == math.inf
+    alone = peers.transform({names[0]: 2.0, names[1]: 1.0})
+    assert alone[names[0]] == pytest.approx(1.0) and alone[names[1]] == pytest.approx(-0.5)

@@ -31,8 +31,10 @@ of it, for Megatron-LM (``megatron.training``) at core_v0.16.1:
   all-reduces) and ``.cuda()`` calls: every imported ``megatron.*`` module sees a ``torch`` whose
   factories map ``device="cuda"`` to the CPU, and ``Tensor.cuda``/``Module.cuda`` return the CPU
   object (without CUDA they could only raise).
-- C8 with TP > 1 the argument check asks for the GPU's compute capability (to warn about
-  ``CUDA_DEVICE_MAX_CONNECTIONS``): answered ``(0, 0)``.
+- C8 with TP > 1 the argument check asks for the GPU's architecture and then requires
+  ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (a CUDA stream setting): the architecture is answered 0 (and
+  the compute capability ``(0, 0)``), and the variable defaults to 1, as a GPU job with TP sets
+  it; nothing on the CPU reads it.
 - C9 the optimizer wrappers and grad clipping accept a param only if ``param.type()`` is
   ``torch.cuda.{Float,Half,BFloat16}Tensor``: inside those functions a CPU tensor reports the
   CUDA name of its dtype.
@@ -55,6 +57,7 @@ import importlib
 import importlib.machinery
 import importlib.util
 import multiprocessing
+import os
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -98,9 +101,12 @@ def apply() -> bool:
     torch.Tensor.cuda = _same_tensor  # type: ignore[method-assign]        # C7
     torch.nn.Module.cuda = _same_module  # type: ignore[method-assign]
     torch.cuda.get_device_capability = lambda *a, **k: (0, 0)  # type: ignore[assignment]  # C8
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
     from megatron.core.datasets import utils as dataset_utils
-    from megatron.training import initialize, training
+    from megatron.training import arguments, initialize, training
+
+    arguments.get_device_arch_version = lambda: 0                          # C8
 
     training.initialize_megatron = functools.partial(initialize.initialize_megatron,  # C2
                                                      allow_no_cuda=True)

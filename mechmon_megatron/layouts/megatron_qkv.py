@@ -152,7 +152,11 @@ def _owning_optimizer(optimizer: Any, param: torch.nn.Parameter) -> Any:
     """The (chained) sub-optimizer whose grad buffers hold ``param``: the same on every DP rank."""
     subs = getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer else [])
     for sub in subs:
-        if param in getattr(sub, "model_param_gbuf_map", {}):
+        # model_param_gbuf_map holds only the params overlapping this rank's shard; a rank that
+        # owns no slice of ``param`` finds it in the (DP-replicated) buffers' param_index_map.
+        if param in getattr(sub, "model_param_gbuf_map", {}) or any(
+                param in getattr(buf, "param_index_map", {})
+                for buf in getattr(sub, "buffers", ())):
             return sub
     return None
 

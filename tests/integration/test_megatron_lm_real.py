@@ -1,0 +1,305 @@
+"""The launcher on Megatron-LM's real training loop: ``pretrain_gpt.py`` of a checkout, on CPU.
+
+Needs a Megatron-LM checkout (tag core_v0.16.1) in ``MEGATRON_LM_PATH``, with the packages its
+``megatron.training`` imports (six, regex); CI has neither and skips the module. Every run uses
+the launcher's ``--cpu`` dry run (gloo, a 2-layer GPT of width 64 on ``--mock-data``) and a
+mechmon config whose absolute bound on ``global/grad_norm`` fires at the first monitored step
+from ``start_step`` (8): a deterministic alarm, so these tests check the path, not detection.
+
+What runs: alarm -> Megatron's checkpoint -> exit 86 -> resume re-raises before any step (also
+with the monitor state deleted: alarm.json latches) -> acknowledge continues and the next alarm
+keeps the earlier report; mechmon's scalars in Megatron's TensorBoard writer; TP=2 under
+torchrun; the ``patches/`` route; ``--use-distributed-optimizer`` with bf16, where what the QK
+layout reads (``fp32_weight``) is compared with the optimizer's fp32 main params.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+MEGATRON_LM_PATH = os.environ.get("MEGATRON_LM_PATH", "")
+SCRIPT = Path(MEGATRON_LM_PATH) / "pretrain_gpt.py"
+
+pytestmark = [
+    pytest.mark.skipif(
+        not (MEGATRON_LM_PATH and SCRIPT.is_file()),
+        reason="needs MEGATRON_LM_PATH: a Megatron-LM checkout (core_v0.16.1) whose real "
+               "pretrain_gpt.py these tests run on CPU",
+    ),
+    pytest.mark.timeout(1800),  # several real Megatron-LM start-ups per test
+]
+
+ALARM_STEP = 8
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+    "--lr", "1e-3", "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--mock-data",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "128", "--log-interval", "1",
+    "--eval-interval", "1000", "--eval-iters", "0", "--save-interval", "5",
+    "--distributed-backend", "gloo", "--transformer-impl", "local",
+    "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--use-cpu-initialization",
+]
+
+HARNESS_PATCHED = '''
+import runpy
+import sys
+
+sys.path.insert(0, sys.argv[1])
+from mechmon_megatron.integrations import megatron_lm_cpu
+
+megatron_lm_cpu.apply()
+script = sys.argv[2]
+sys.argv = sys.argv[2:]
+runpy.run_path(script, run_name="__main__")
+'''
+
+HARNESS_FP32 = '''
+"""The launcher, plus a check after iteration 3's update of what fp32_weight reads."""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mechmon_megatron.integrations import megatron_lm
+from mechmon_megatron.launch import megatron as launcher
+from mechmon_megatron.layouts.megatron_qkv import _owning_optimizer, fp32_weight
+
+real_install = megatron_lm.install
+
+
+def check(model, optimizer):
+    rows = []
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            if not name.endswith("linear_qkv.weight"):
+                continue
+            read = fp32_weight(param, optimizer)            # what the QK layout reads
+            owner = _owning_optimizer(optimizer, param)
+            main = getattr(param, "main_param", None)
+            mine = (0, 0, None)  # a rank that owns no slice of this param
+            if main is not None:
+                rng = owner._get_model_param_range_map(param)["param"]
+                mine = (rng.start, rng.end, main.detach().float().view(-1))
+            parts = [None] * dist.get_world_size(owner.data_parallel_group)
+            dist.all_gather_object(parts, mine, group=owner.data_parallel_group)
+            full = torch.full((param.numel(),), float("nan"))
+            for start, end, values in parts:               # the optimizer's fp32 shards
+                if values is not None:
+                    full[start:end] = values
+            rows.append({
+                "name": name,
+                "sharded": bool(getattr(param, "main_param_sharded", False)),
+                "shards": sum(p[2] is not None for p in parts),
+                "covered": bool(torch.isfinite(full).all()),
+                "max_abs_diff_vs_main": float((read.view(-1) - full).abs().max()),
+                "bf16_of_read_equals_model": bool(torch.equal(read.bfloat16(), param.data)),
+                "frac_read_differs_from_model": float(
+                    (read != param.data.float()).float().mean()),
+                "model_dtype": str(param.dtype),
+            })
+    path = os.path.join(os.environ["FP32_OUT"], f"rank{dist.get_rank()}.json")
+    with open(path, "w") as fh:
+        json.dump(rows, fh)
+
+
+def install(config, *args, **kwargs):
+    hooks = real_install(config, *args, **kwargs)
+    inner = hooks.training.train_step
+
+    def train_step(*a, **k):
+        out = inner(*a, **k)
+        if k.get("iteration") == 2:
+            check(a[2], a[3])
+        return out
+
+    hooks.training.train_step = train_step
+    return hooks
+
+
+megatron_lm.install = install
+sys.exit(launcher.main(sys.argv[1:]))
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """A checkpoint directory and the runs that share it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.save = tmp / "ckpt"
+        self.tb = tmp / "tb"
+
+    def config(self, **actions: object) -> Path:
+        cfg = {
+            "output_dir": str(self.tmp / "mechmon_out"),
+            "qk": {"interval": 2},
+            "detectors": {"warmup_samples": 3, "start_step": ALARM_STEP,
+                          "global": {"signal_bounds": {"global/grad_norm": {"max": 1.0e-6}}}},
+            "actions": {"on_alarm": "checkpoint_and_exit", **actions},
+            "sinks": {"console": {"enabled": False}, "tensorboard": {"enabled": True}},
+        }
+        path = self.tmp / f"mechmon_{len(list(self.tmp.glob('mechmon_*.yaml')))}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != "FT_LAUNCHER_IPC_SOCKET"}
+        env.update(PYTHONPATH=f"{REPO}{os.pathsep}{MEGATRON_LM_PATH}", CUDA_VISIBLE_DEVICES="",
+                   OMP_NUM_THREADS="1", **extra)
+        return env
+
+    def megatron_args(self, iters: int, *extra: str) -> list[str]:
+        return [*TINY, "--global-batch-size", str(2 * int(os.environ.get("DP", "1"))),
+                "--train-iters", str(iters), "--save", str(self.save), "--load", str(self.save),
+                "--tensorboard-dir", str(self.tb), *extra]
+
+    def one_rank(self, cmd: list[str], timeout: int = 600) -> tuple[int, str]:
+        """One process, the exit code the launcher itself returns (no torchrun)."""
+        env = self.env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(_free_port()))
+        proc = subprocess.run(["nice", "-n", "10", sys.executable, *cmd], env=env,
+                              capture_output=True, text=True, timeout=timeout, cwd=self.tmp)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    def launch(self, iters: int, *extra: str, config: Path | None = None) -> tuple[int, str]:
+        return self.one_rank(["-m", "mechmon_megatron.launch.megatron", "--cpu", str(SCRIPT),
+                              "--mechmon-config", str(config or self.config()),
+                              *self.megatron_args(iters, *extra)])
+
+    def torchrun(self, nproc: int, target: list[str], timeout: int = 600,
+                 **env: str) -> tuple[int, str]:
+        cmd = ["nice", "-n", "10", sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", *target]
+        proc = subprocess.run(cmd, env=self.env(**env), capture_output=True, text=True,
+                              timeout=timeout, cwd=self.tmp)
+        return proc.returncode, proc.stdout + proc.stderr
+
+    def alarm(self) -> dict:
+        return json.loads((self.save / "alarm.json").read_text())
+
+
+def _iterations(out: str) -> list[int]:
+    return [int(line.split("iteration")[1].split("/")[0]) for line in out.splitlines()
+            if "] iteration " in line]
+
+
+@pytest.fixture()
+def job(tmp_path: Path) -> Job:
+    pytest.importorskip("megatron.core")
+    return Job(tmp_path)
+
+
+def test_alarm_checkpoint_exit_86_resume_reraises_and_an_acknowledgement_continues(job):
+    code, out = job.launch(20)
+    assert code == 86, out[-4000:]
+    alarm = job.alarm()
+    assert alarm["alarm_step"] == ALARM_STEP and alarm["exit_code"] == 86
+    assert _iterations(out)[-1] == ALARM_STEP
+    step_dir = job.save / f"iter_{ALARM_STEP:07d}"
+    assert alarm["alarm_checkpoint"] == str(step_dir)
+    assert (step_dir / "mechmon_rank0.pt").is_file() and (step_dir / "metadata.json").is_file()
+    assert (job.save / "latest_checkpointed_iteration.txt").read_text().strip() == str(ALARM_STEP)
+    assert alarm["checkpoint_before_onset"]["path"] == str(job.save / "iter_0000005")
+
+    # Megatron's own TensorBoard writer carries mechmon's scalars beside its own.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = EventAccumulator(str(job.tb)).Reload().Tags()["scalars"]
+    assert "lm loss" in tags
+    assert "mechmon/global/grad_norm" in tags and "mechmon/alarm" in tags
+    assert any(t.startswith("mechmon/attn/delta2/entropy/layer_") for t in tags), tags
+
+    code, out = job.launch(20)
+    assert code == 86, out[-4000:]
+    assert _iterations(out) == [] and "on resume, before any step" in out
+
+    (step_dir / "mechmon_rank0.pt").unlink()
+    code, out = job.launch(20)
+    assert code == 86, out[-4000:]
+    assert _iterations(out) == [] and "stays raised" in out
+
+    # Acknowledged: training goes on from the alarm checkpoint; the bound fires again at the
+    # next monitored step, a new alarm whose report does not overwrite the acknowledged one.
+    code, out = job.launch(20, config=job.config(acknowledge=alarm["alarm_id"]))
+    assert _iterations(out)[:2] == [ALARM_STEP + 1, ALARM_STEP + 2], out[-4000:]
+    assert code == 86
+    assert job.alarm()["alarm_id"] != alarm["alarm_id"]
+    kept = json.loads((job.save / f"alarm_{alarm['alarm_id']}.json").read_text())
+    assert kept["alarm_id"] == alarm["alarm_id"] and kept["alarm_step"] == ALARM_STEP
+
+
+def test_tensor_parallel_2_alarm_saves_both_ranks_and_resume_reraises(job):
+    target = ["-m", "mechmon_megatron.launch.megatron", "--cpu", str(SCRIPT),
+              "--mechmon-config", str(job.config()),
+              *job.megatron_args(20, "--tensor-model-parallel-size", "2")]
+    code, out = job.torchrun(2, target)
+    assert code != 0 and "exiting with code 86 after saving iteration 8" in out, out[-4000:]
+    assert job.alarm()["alarm_step"] == ALARM_STEP
+    for rank in (0, 1):
+        assert (job.save / f"iter_{ALARM_STEP:07d}" / f"mechmon_rank{rank}.pt").is_file()
+    assert "exitcode: -15" not in out  # no rank was torn down before it finished
+    code, out = job.torchrun(2, target)
+    assert code != 0 and "on resume, before any step" in out, out[-4000:]
+    assert _iterations(out) == []
+
+
+def test_the_patches_route_on_an_edited_copy_of_pretrain_gpt(job):
+    edited = job.tmp / "pretrain_gpt.py"
+    shutil.copy(SCRIPT, edited)
+    proc = subprocess.run([sys.executable, str(REPO / "patches" / "apply_mechmon.py"),
+                           str(edited)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    harness = job.tmp / "harness_patched.py"
+    harness.write_text(HARNESS_PATCHED)
+    code, out = job.one_rank([str(harness), MEGATRON_LM_PATH, str(edited),
+                              "--mechmon-config", str(job.config()), *job.megatron_args(20)])
+    # No launcher: Megatron's own sys.exit carries the code.
+    assert code == 86, out[-4000:]
+    assert job.alarm()["alarm_step"] == ALARM_STEP
+    assert "mechmon_config" in out  # Megatron's parser knows the flag (printed with the args)
+
+
+def test_distributed_optimizer_fp32_weight_reads_the_optimizers_fp32_main_params(job):
+    harness = job.tmp / "harness_fp32.py"
+    harness.write_text(HARNESS_FP32)
+    fp32_out = job.tmp / "fp32"
+    fp32_out.mkdir()
+    config = job.config()
+    target = [str(harness), "--cpu", str(SCRIPT), "--mechmon-config", str(config),
+              *job.megatron_args(4, "--use-distributed-optimizer", "--bf16",
+                                 "--no-masked-softmax-fusion")]
+    target[target.index("--global-batch-size") + 1] = "4"
+    code, out = job.torchrun(2, target, FP32_OUT=str(fp32_out))
+    assert code == 0, out[-4000:]
+    for rank in (0, 1):
+        rows = json.loads((fp32_out / f"rank{rank}.json").read_text())
+        assert len(rows) == 2  # one fused QKV weight per layer
+        for row in rows:
+            assert row["sharded"] and row["covered"] and row["model_dtype"] == "torch.bfloat16"
+            assert row["shards"] >= 1
+            assert row["max_abs_diff_vs_main"] == 0.0
+            assert row["bf16_of_read_equals_model"]
+            assert row["frac_read_differs_from_model"] > 0.5  # fp32, not the bf16 weight
+    metrics = [json.loads(line) for line in
+               (job.tmp / "mechmon_out" / "metrics.jsonl").read_text().splitlines()]
+    attn = [v for m in metrics for k, v in m.get("signals", {}).items()
+            if k.startswith("attn/delta2/entropy/layer_")]
+    assert any(v is not None for v in attn)  # the first monitored step only takes a snapshot

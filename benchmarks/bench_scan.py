@@ -13,8 +13,9 @@ Two inputs, each scanned in a fresh process (so the peak resident set is the sca
 
 Each is scanned twice: Q/K and routers only (``--no-update-ratios``) and with the update ratios
 (every tensor read). Reported: seconds per pair (mean over the pairs), peak RSS of the scanning
-process and its increase over the RSS after imports, next to the size of one layer's Q/K rows
-(fp32) and of one layer's tensors, the memory unit the scan streams in. One torch thread.
+process (``VmHWM``) and its increase over the RSS after imports, next to the size of one
+layer's Q/K rows (fp32) and of one layer's tensors, the memory unit the scan streams in. One
+torch thread.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -31,10 +31,13 @@ from pathlib import Path
 _CHILD = "--child"
 
 
-def _rss_mb() -> float:
+def _status_mb(key: str) -> float:
+    """``VmRSS`` (resident now) or ``VmHWM`` (peak resident) of this process, in MB. Not
+    ``getrusage``'s ``ru_maxrss``: Linux keeps that across ``execve``, so a child would report
+    its parent's peak."""
     with open("/proc/self/status") as fh:
         for line in fh:
-            if line.startswith("VmRSS:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -46,12 +49,12 @@ def child(root: str, ratios: bool, model_config: str | None) -> None:
     from mechmon_megatron.scan import scan
 
     torch.set_num_threads(1)
-    base = _rss_mb()
+    base = _status_mb("VmRSS")
     tick = time.perf_counter()
     result = scan(root, out=os.path.join(root, f"scan_{int(ratios)}"), ratios=ratios,
                   model_config=model_config, progress=False, plots=False)
     wall = time.perf_counter() - tick
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = _status_mb("VmHWM")
     print(json.dumps({"pairs": len(result.rows), "wall_s": wall,
                       "pair_s": sum(result.pair_seconds) / len(result.rows),
                       "rss_after_imports_mb": base, "peak_rss_mb": peak,

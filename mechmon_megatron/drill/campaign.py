@@ -1,119 +1,58 @@
-"""The drill campaign: which runs, with which fault, model and detector settings.
+"""From a campaign file to its runs: trainer configs, healthy partners, expected attribution.
 
-Every run trains the reference trainer's tiny megatron-core GPT (2 layers x 64, 4 heads, seq 64,
-batch 16, byte-level stdlib text, Adam lr 2e-3 constant after 20 warm-up steps, clip 1.0) with
-the bf16 flash-attention emulation on every layer, so a faulty run and the healthy run of the
-same seed are bitwise equal before the fault starts. Attention drills use the dense model; the
-LR, router and compound drills use the MoE model (8 experts, top-2, aux loss 0.01), because
-their mechanism is the router's.
+Runs of a campaign (:class:`~mechmon_megatron.drill.spec.CampaignSpec`)::
 
-| fault     | model | injected from ``FAULT_START``                                         |
-| --------- | ----- | --------------------------------------------------------------------- |
-| attention | dense | round-away of 7 low bf16 mantissa bits of O_bar in layer 2, all rows   |
-| lr        | moe   | every LR ramped linearly to 30x over 200 steps                         |
-| lr_dense  | dense | the same ramp on the dense model                                       |
-| lr_step   | dense | every LR x30 at once                                                   |
-| router    | moe   | router LR ramped to x1000 over 100 steps, load-balancing loss off      |
-| compound  | moe   | attention (as above) + lr (as above)                                   |
+    healthy-<model>-s<seed>      one per (model, seed): no fault
+    <fault name>-s<seed>         one per (fault, seed), compared with healthy-<its model>-s<seed>
 
-Strengths were tuned so that every fault diverges within 600 steps (seed 1234): the attention
-fault's loss gap passes 0.25 nats at ~395; an LR ramp to 10x costs only ~0.15 nats, to 30x it
-passes 0.25 at ~320 and 1 nat at ~520; router collapse with aux loss off costs ~0.13 nats at a
-router LR x100 and ~0.16 at x300 (capacity lost, no runaway), only x1000 passes 0.25 (~375 as
-a step change, ~440 ramped over 100 steps; the ramp avoids a one-step gradient jolt that a
-grad-norm rule reads at once but that is not the collapse itself).
+A faulty run and its healthy partner share model, seed, data order and core attention, so they
+are bitwise equal before the fault's onset and every later loss difference is the fault's.
 
-Training never stops at an alarm (``on_alarm: log``, ``run_past_alarm``) so the divergence is
-observed. The detector settings of the drill (:data:`DRILL_DETECTORS`) are the campaign's, not
-mechmon's global defaults: baselines form over steps 50..140 at a 10-step monitor interval.
+The mechmon config of every run is the shipped default (:func:`mechmon_megatron.config.
+load_config` with no source), or the user's ``--config`` file, with only what the harness
+needs set on top: the campaign's monitor intervals (``qk``, ``router``, ``optim`` and
+``optim.sharpness``), ``actions.on_alarm: log`` (training continues past an alarm, so the
+divergence is observed) and the console sink off. No detector setting comes from a campaign.
+
+Expected attribution (the diagnosis the mechanism monitor should give):
+
+| class         | fault_class at the first alarm | families (compound: all of them alarm) |
+| ------------- | ------------------------------ | -------------------------------------- |
+| attention     | attention                      | attn                                   |
+| fp8_attention | attention                      | attn                                   |
+| lr            | lr                             | optim                                  |
+| router        | router_collapse                | router                                 |
+| compound      | compound                       | one per kind listed (e.g. attn, optim) |
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from mechmon_megatron.config import load_config
+from mechmon_megatron.drill.spec import CampaignSpec, FaultSpec
+
 __all__ = [
-    "FAULT_CLASSES",
-    "FAULT_START",
-    "QUICK_FAULTS",
-    "DIVERGENCE_MARGIN",
-    "DEFAULT_SEEDS",
-    "FAULTS",
-    "DRILL_DETECTORS",
-    "MECHANISM_FAMILIES",
+    "EXPECTED_CLASS",
+    "KIND_FAMILY",
     "DrillRun",
     "Campaign",
-    "train_config",
+    "mechmon_section",
     "build_campaign",
 ]
 
-FAULT_CLASSES = ("attention", "lr", "lr_dense", "lr_step", "router", "compound")
-"""Fault classes drilled, in report order."""
+EXPECTED_CLASS = {"attention": "attention", "fp8_attention": "attention", "lr": "lr",
+                  "router": "router_collapse", "compound": "compound"}
+"""Fault class the diagnosis should name, per campaign fault class."""
 
-FAULT_START = 150
-"""First faulty step of every fault run."""
-
-DIVERGENCE_MARGIN = 0.25
-"""Nats by which the faulty run's smoothed loss must exceed the healthy run's (same seed) to
-count as diverged (see :func:`mechmon_megatron.drill.evaluate.divergence_step`); ~11% of the
-loss at the fault start. Router collapse in this model costs ~0.3 nats at most, so a larger
-margin would leave the router drill without a divergence."""
-
-QUICK_FAULTS = ("attention", "lr_dense")
-"""Fault classes of the quick campaign: one per mechanism family."""
-
-DEFAULT_SEEDS = (1234, 99, 7, 2024, 31337)
-"""Model and data seeds, the first ``--seeds N`` of them are used."""
-
-_ATTENTION = {"mode": "round_away", "bits": 7, "rate": 1.0, "layers": [2], "where": "output"}
-_LR = {"factor": 30.0, "ramp_steps": 200}
-_LR_STEP = {"factor": 30.0, "ramp_steps": 0}
-_ROUTER = {"lr_multiplier": 1000.0, "ramp_steps": 100, "disable_aux_loss": True}
-
-FAULTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "attention": ("dense", {"kind": "attention", "attention": _ATTENTION}),
-    "lr": ("moe", {"kind": "lr", "lr": _LR}),
-    "lr_dense": ("dense", {"kind": "lr", "lr": _LR}),
-    "lr_step": ("dense", {"kind": "lr", "lr": _LR_STEP}),
-    "router": ("moe", {"kind": "router", "router": _ROUTER}),
-    "compound": ("moe", {"kind": "compound", "compound": ["attention", "lr"],
-                         "attention": _ATTENTION, "lr": _LR}),
-}
-"""Fault class -> (model, ``fault:`` section without ``start_step``)."""
-
-MECHANISM_FAMILIES = {"attention": ("attn",), "lr": ("optim",), "lr_dense": ("optim",),
-                      "lr_step": ("optim",), "router": ("router",), "compound": ("attn", "optim")}
-"""Families the mechanism monitor should name for each fault class."""
-
-DRILL_DETECTORS: dict[str, Any] = {
-    "warmup_samples": 10,
-    "start_step": 50,
-    "baseline": {"method": "median_mad", "mode": "frozen"},
-    "attn": {"robust_z": {"threshold": 2.0, "k": 2, "n": 3},
-             "cusum": {"drift": 1.0, "threshold": 6.0}},
-    "router": {"signals": ["router/entropy_mean/layer_*", "router/weight_cosine/layer_*",
-                           "router/maxvio/layer_*", "router/weight_cond_fro/layer_*"],
-               "baseline": {"mode": "tracked", "track_rate": 0.1, "min_rel_scale": 0.02},
-               "robust_z": {"threshold": 4.0, "k": 2, "n": 3},
-               "cusum": {"drift": 1.5, "threshold": 12.0}},
-}
-"""``mechmon.detectors`` of every drill run (and of the offline replay of the mechanism
-families). The QK spectral entropies of a 64-wide model have a large spread between monitored
-samples and cannot fall below 0 (a collapse from ~1.2 to ~0.05 nats is only z ~ -2.5 against
-the warm-up median and MAD), so the attention rules alarm on two of three samples beyond z = 2
-and use a tighter CUSUM than the defaults;
-the router signals drift slowly as training specializes the experts, so their baseline tracks
-non-alarming samples (rate 0.1) and its scale is floored at 2% of its location; two of three
-samples beyond z = 4 alarm. The router family also watches the centered router norm
-``weight_cond_fro`` (Eq. 8 of arXiv 2606.28116), which a large router LR moves at once."""
-
-_MODELS: dict[str, dict[str, Any]] = {
-    "dense": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64},
-    "moe": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
-            "num_moe_experts": 8, "moe_router_topk": 2, "moe_aux_loss_coeff": 0.01},
-}
+KIND_FAMILY = {"attention": "attn", "fp8_attention": "attn", "lr": "optim", "router": "router"}
+"""Signal family of each elementary fault kind."""
 
 
 @dataclass(frozen=True)
@@ -123,128 +62,134 @@ class DrillRun:
     name: str
     """Directory name under ``<out>/runs/``, e.g. ``attention-s1234``."""
     fault: str
-    """``healthy`` or one of :data:`FAULT_CLASSES`."""
+    """``healthy`` or the fault's name in the campaign."""
+    fault_class: str
+    """``healthy`` or the fault's class (attention, lr, router, compound, fp8_attention)."""
     model: str
-    """``dense`` or ``moe``."""
+    """Key of the campaign's models."""
     seed: int
     """Model and data seed."""
     healthy: str | None
-    """Name of the healthy run this one is compared with (same model and seed)."""
+    """Name of the healthy run of the same model and seed (None for a healthy run)."""
+    fault_start: int | None
+    """First faulty step (None for a healthy run)."""
+    control: bool
+    """A healthy control: scored as a healthy run although a (benign) fault config is set."""
+    expected_families: tuple[str, ...]
+    """Families the diagnosis should name (empty for healthy runs and controls)."""
     config: dict[str, Any] = field(hash=False, compare=False)
     """The trainer config (``out_dir`` is set by the runner)."""
+
+    @property
+    def scored_healthy(self) -> bool:
+        """Scored as a healthy run: every alarm is a false alarm."""
+        return self.fault_start is None or self.control
+
+    def key(self) -> str:
+        """sha256 of the canonical JSON of the trainer config: a finished run is reused only
+        when its key matches (a changed campaign or mechmon config retrains)."""
+        text = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 @dataclass
 class Campaign:
-    """A list of runs and the settings they are evaluated with."""
+    """The loaded campaign, the mechmon section of its runs, and the runs."""
 
-    name: str
-    """``full`` or ``quick``."""
-    steps: int
-    """Steps of every run."""
-    seeds: list[int]
-    """Seeds drilled."""
-    faults: list[str]
-    """Fault classes drilled."""
+    spec: CampaignSpec
+    """The campaign file, validated."""
+    mechmon: dict[str, Any]
+    """The mechmon config of every run (see the module docstring)."""
+    config_source: str
+    """``shipped defaults`` or the ``--config`` path."""
     runs: list[DrillRun]
-    """Healthy runs first, then faulty runs, in report order."""
-    fault_start: int = FAULT_START
-    """First faulty step."""
-    divergence_margin: float = DIVERGENCE_MARGIN
-    """See :data:`DIVERGENCE_MARGIN`."""
-    detectors: dict[str, Any] = field(default_factory=lambda: copy.deepcopy(DRILL_DETECTORS))
-    """Mechanism detector settings (``mechmon.detectors`` mapping)."""
+    """Healthy runs first, then one run per fault and seed, in file order."""
+
+    @property
+    def name(self) -> str:
+        """The campaign's name."""
+        return self.spec.name
+
+    @property
+    def steps(self) -> int:
+        """Steps of every run."""
+        return self.spec.steps
 
     def by_name(self) -> dict[str, DrillRun]:
         """``{run name: run}``."""
         return {r.name: r for r in self.runs}
 
     def describe(self) -> dict[str, Any]:
-        """JSON-ready settings of the campaign."""
-        return {
-            "name": self.name, "steps": self.steps, "seeds": self.seeds, "faults": self.faults,
-            "fault_start": self.fault_start, "divergence_margin": self.divergence_margin,
-            "detectors": self.detectors,
-            "fault_settings": {k: {"model": FAULTS[k][0], "fault": FAULTS[k][1]}
-                               for k in self.faults},
-        }
+        """JSON-ready campaign settings (the ``campaign`` object of ``drill.json``)."""
+        spec = dataclasses.asdict(self.spec)
+        spec["faults"] = [{"name": f.name, "class": f.class_, "model": f.model,
+                           "onset": f.onset, "control": f.control,
+                           "fault": f.fault_section(self.steps)} for f in self.spec.faults]
+        spec["fault_starts"] = self.spec.fault_steps()
+        spec["mechmon_config"] = self.config_source
+        spec["mechmon"] = self.mechmon
+        return spec
 
 
-def train_config(model: str, seed: int, steps: int, fault: dict[str, Any] | None,
-                 detectors: dict[str, Any]) -> dict[str, Any]:
-    """The reference-trainer config of one drill run (without ``out_dir``).
+def mechmon_section(spec: CampaignSpec, config: str | Path | None = None) -> dict[str, Any]:
+    """The mechmon mapping of every run: shipped defaults (or ``config``) + the harness keys.
 
-    Args:
-        model: ``dense`` or ``moe``.
-        seed: model and data seed.
-        steps: last step.
-        fault: the ``fault:`` section, or None for a healthy run.
-        detectors: the ``mechmon.detectors`` mapping.
+    Raises:
+        ValueError: ``config`` is invalid (the message names the dotted field).
     """
-    moe = model == "moe"
-    mechmon: dict[str, Any] = {
-        "preset": "moe" if moe else "dense",
-        "qk": {"interval": 10, "terms": ["delta2", "dwq", "dwk"]},
-        "optim": {"interval": 10, "sharpness": {"interval": 10}},
-        "detectors": copy.deepcopy(detectors),
-        "actions": {"on_alarm": "log"},
-        "sinks": {"console": {"enabled": False}},
-    }
-    if moe:
-        mechmon["router"] = {"interval": 10}
+    data = load_config(config).to_dict()
+    interval = spec.monitor.interval
+    data["qk"]["interval"] = interval
+    data["router"]["interval"] = interval
+    data["optim"]["interval"] = interval
+    data["optim"]["sharpness"]["interval"] = spec.monitor.sharpness()
+    data["actions"]["on_alarm"] = "log"
+    data["sinks"]["console"]["enabled"] = False
+    load_config(data)  # still valid with the harness keys
+    return data
+
+
+def _train_config(spec: CampaignSpec, model: str, seed: int, fault: FaultSpec | None,
+                  mechmon: dict[str, Any]) -> dict[str, Any]:
+    shape = spec.models[model]
     return {
-        "steps": steps,
-        "attention": "bf16_flash",
+        "steps": spec.steps,
+        "attention": shape.attention,
         "run_past_alarm": True,
         "stop_at_divergence": False,
         "log_interval": 0,
         "progress": False,
-        "model": dict(_MODELS[model], seed=seed),
-        "optim": {"lr": 2e-3, "min_lr": 2e-3, "warmup_steps": 20, "schedule": "constant"},
-        "data": {"global_batch_size": 16, "max_bytes": 2_000_000, "seed": seed},
+        "model": dict(shape.spec(), seed=seed),
+        "parallel": dataclasses.asdict(spec.parallel),
+        "optim": dataclasses.asdict(spec.optim),
+        "data": dict(dataclasses.asdict(spec.data), seed=seed),
         "checkpoint": {"save_at_end": False},
-        "fault": copy.deepcopy(fault) if fault else {"kind": "none"},
-        "mechmon": mechmon,
+        "fault": fault.fault_section(spec.steps) if fault else {"kind": "none"},
+        "mechmon": copy.deepcopy(mechmon),
     }
 
 
-def build_campaign(quick: bool = False, seeds: int | None = None,
-                   faults: list[str] | None = None, steps: int | None = None) -> Campaign:
-    """The full campaign, or the quick one (one seed, 450 steps, :data:`QUICK_FAULTS`).
+def _expected(fault: FaultSpec) -> tuple[str, ...]:
+    if fault.control:
+        return ()
+    kinds = fault.compound if fault.class_ == "compound" else [fault.class_]
+    return tuple(dict.fromkeys(KIND_FAMILY[k] for k in kinds))
+
+
+def build_campaign(spec: CampaignSpec, config: str | Path | None = None) -> Campaign:
+    """The runs of ``spec`` with the mechmon config of :func:`mechmon_section`.
 
     Args:
-        quick: reduced campaign for CI.
-        seeds: number of seeds (default 3, quick 1); the first of :data:`DEFAULT_SEEDS`.
-        faults: fault classes (default all of :data:`FAULT_CLASSES`; quick:
-            :data:`QUICK_FAULTS`).
-        steps: steps per run (default 600, quick 450).
-
-    Raises:
-        ValueError: an unknown fault class or a seed count outside 1..len(DEFAULT_SEEDS).
+        spec: the loaded campaign.
+        config: a mechmon config file (``--config``); None: the shipped defaults.
     """
-    n = seeds if seeds is not None else (1 if quick else 3)
-    if not 1 <= n <= len(DEFAULT_SEEDS):
-        raise ValueError(f"drill.seeds: invalid value {n}; allowed: 1..{len(DEFAULT_SEEDS)}")
-    chosen = list(faults) if faults else list(QUICK_FAULTS if quick else FAULT_CLASSES)
-    unknown = [f for f in chosen if f not in FAULT_CLASSES]
-    if unknown:
-        raise ValueError(f"drill.faults: invalid value {unknown}; allowed: {FAULT_CLASSES}")
-    chosen = [f for f in FAULT_CLASSES if f in chosen]
-    total = steps if steps is not None else (450 if quick else 600)
-    if total <= FAULT_START:
-        raise ValueError(f"drill.steps: invalid value {total}; allowed: > {FAULT_START}")
-    seed_list = list(DEFAULT_SEEDS[:n])
-    models = sorted({FAULTS[f][0] for f in chosen})
-    healthy = [
-        DrillRun(f"healthy-{m}-s{s}", "healthy", m, s, None,
-                 train_config(m, s, total, None, DRILL_DETECTORS))
-        for m in models for s in seed_list
-    ]
-    faulty = []
-    for fault in chosen:
-        model, spec = FAULTS[fault]
-        for s in seed_list:
-            cfg = dict(copy.deepcopy(spec), start_step=FAULT_START)
-            faulty.append(DrillRun(f"{fault}-s{s}", fault, model, s, f"healthy-{model}-s{s}",
-                                   train_config(model, s, total, cfg, DRILL_DETECTORS)))
-    return Campaign("quick" if quick else "full", total, seed_list, chosen, healthy + faulty)
+    mechmon = mechmon_section(spec, config)
+    runs = [DrillRun(f"healthy-{m}-s{s}", "healthy", "healthy", m, s, None, None, False, (),
+                     _train_config(spec, m, s, None, mechmon))
+            for m in spec.models for s in spec.seeds]
+    for f in spec.faults:
+        for s in spec.seeds:
+            runs.append(DrillRun(f"{f.name}-s{s}", f.name, f.class_, f.model, s,
+                                 f"healthy-{f.model}-s{s}", f.onset_step(spec.steps), f.control,
+                                 _expected(f), _train_config(spec, f.model, s, f, mechmon)))
+    return Campaign(spec, mechmon, str(config) if config else "shipped defaults", runs)

@@ -1,45 +1,58 @@
-"""Evaluate a finished campaign and write ``drill.json``, ``drill.md`` and the plots.
+"""Score a finished campaign and write ``drill.json``, ``drill.md`` and the plots.
 
-Per faulty run: divergence step, each detector's alarm step, lead time (divergence - alarm, in
-steps), lead as a percentage of the fault-to-divergence interval, the mechanism monitor's
-attribution and the verdict against the targets:
+Scoring of a faulty run (``fault_start`` = onset; ``div`` = divergence step, see
+:mod:`~mechmon_megatron.drill.evaluate`; ``alarm`` = a detector's first alarm at or after onset):
 
-- ``first``: the mechanism monitor alarms before the divergence and strictly before every
-  comparison baseline (loss_spike, loss_z, grad_norm_z; a silent one counts as later);
-- ``lead_ok``: its lead is at least :data:`LEAD_TARGET_PCT` % of the interval;
-- ``attribution_ok``: single faults, the diagnosis at the alarm names the fault's class
-  (attention -> ``attention``; lr, router -> ``router_collapse``); compound faults, both
-  families (attn, router) alarmed before the divergence.
+- ``lead = div - alarm`` steps and ``lead_pct = 100 lead / (div - fault_start)``, per detector;
+- ``detected``: the mechanism monitor alarmed after onset with the expected attribution
+  (:data:`~mechmon_megatron.drill.campaign.EXPECTED_CLASS`: single faults by the diagnosis at
+  the alarm; a compound fault when every expected family alarmed after onset and before the
+  divergence, or the run's end). A fault that never diverges is still a fault: it is scored on
+  ``detected`` alone;
+- ``before_divergence``: the alarm precedes the divergence (None when the run did not diverge);
+- ``first``: the mechanism alarm precedes every comparison rule's post-onset alarm (a silent rule
+  counts as later; a rule's pre-onset alarm is its false alarm, never a detection);
+- ``lead_ok``: ``lead_pct >= LEAD_TARGET_PCT``; ``lead_steps_ok``: ``lead >= LEAD_TARGET_STEPS``;
+- ``no_false_alarm``: the mechanism monitor was silent before onset.
 
-Per healthy run: any alarm of any detector after ``detectors.start_step`` is a false alarm.
+False alarms: per detector, the healthy runs and controls it alarmed on, and that count per
+10,000 steps of those runs (``last_step`` summed: each run counts at most one alarm, since an
+alarm stops a production job). Faulty runs' pre-onset alarms are listed per run, not counted
+again (they repeat their healthy partner's steps bitwise).
+
+``drill.json`` (``schema_version`` :data:`SCHEMA_VERSION`) is documented field by field in
+``docs/drill.md``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
-from mechmon_megatron.drill.campaign import MECHANISM_FAMILIES, Campaign
-from mechmon_megatron.drill.evaluate import BASELINE_DETECTORS, DETECTORS, evaluate_run, loss_ema
+from mechmon_megatron.drill.campaign import EXPECTED_CLASS, Campaign, DrillRun
+from mechmon_megatron.drill.evaluate import (
+    BASELINE_DETECTORS,
+    DETECTORS,
+    evaluate_run,
+    monitor_config,
+)
 from mechmon_megatron.drill.runner import run_dir
 from mechmon_megatron.train.plot import read_jsonl
 
-__all__ = ["LEAD_TARGET_PCT", "EXPECTED_CLASS", "evaluate_campaign", "write_report"]
+__all__ = ["SCHEMA_VERSION", "LEAD_TARGET_PCT", "LEAD_TARGET_STEPS", "score_run",
+           "summarize", "evaluate_campaign", "write_report"]
+
+SCHEMA_VERSION = 2
+"""Version of the ``drill.json`` layout (docs/drill.md); bumped on any incompatible change."""
 
 LEAD_TARGET_PCT = 30.0
 """Target lead of the mechanism monitor, percent of the fault-to-divergence interval."""
 
-EXPECTED_CLASS = {"attention": "attention", "lr": "lr", "lr_dense": "lr", "lr_step": "lr",
-                  "router": "router_collapse"}
-"""Diagnosis expected at the alarm for each single fault (a compound fault is judged by the
-families alarming before the divergence)."""
-
-_ATTN_SIGNAL = "attn/delta2/entropy/layer_2/min"
-_ROUTER_SIGNAL = "router/entropy_mean/layer_2"
-_COLORS = {"mechmon": "red", "loss_spike": "tab:brown", "loss_z": "tab:olive",
-           "grad_norm_z": "tab:purple", "global": "tab:cyan"}
+LEAD_TARGET_STEPS = 1000
+"""Target lead in steps (the ``long`` campaign's target; reported for every campaign)."""
 
 
 def _lead(div: int | None, alarm: int | None, start: int) -> tuple[int | None, float | None]:
@@ -49,11 +62,86 @@ def _lead(div: int | None, alarm: int | None, start: int) -> tuple[int | None, f
     return lead, 100.0 * lead / max(1, div - start)
 
 
+def score_run(run: DrillRun, ev: dict[str, Any]) -> dict[str, Any]:
+    """Leads and verdict of a faulty run from its :func:`evaluate_run` result."""
+    div, dets, start = ev["divergence_step"], ev["detectors"], run.fault_start
+    assert start is not None
+    leads = {name: _lead(div, d["alarm_step"], start) for name, d in dets.items()}
+    mech = dets["mechmon"]
+    alarm = mech["alarm_step"]
+    if run.fault_class == "compound":
+        attributed = set(run.expected_families) <= set(mech["families_before_divergence"])
+    else:
+        attributed = mech["fault_class"] == EXPECTED_CLASS[run.fault_class]
+    first = alarm is not None and all(
+        dets[b]["alarm_step"] is None or alarm < dets[b]["alarm_step"] for b in BASELINE_DETECTORS)
+    lead, pct = leads["mechmon"]
+    return {
+        "lead": {name: v[0] for name, v in leads.items()},
+        "lead_pct": {name: v[1] for name, v in leads.items()},
+        "verdict": {
+            "detected": alarm is not None and attributed,
+            "before_divergence": None if div is None else alarm is not None and alarm < div,
+            "first": first,
+            "lead_ok": None if div is None else pct is not None and pct >= LEAD_TARGET_PCT,
+            "lead_steps_ok": (None if div is None
+                              else lead is not None and lead >= LEAD_TARGET_STEPS),
+            "attribution_ok": attributed,
+            "no_false_alarm": mech["false_alarm_step"] is None,
+        },
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-fault counts, false alarms per detector and the overall verdict."""
+    faults: dict[str, Any] = {}
+    for name in dict.fromkeys(r["fault"] for r in rows if not r["scored_healthy"]):
+        mine = [r for r in rows if r["fault"] == name and not r["scored_healthy"]]
+        div = [r for r in mine if r["divergence_step"] is not None]
+        v = [r["verdict"] for r in mine]
+        ok = all(x["detected"] and x["no_false_alarm"] for x in v) and all(
+            r["verdict"]["before_divergence"] and r["verdict"]["first"] and r["verdict"]["lead_ok"]
+            for r in div)
+        faults[name] = {
+            "class": mine[0]["fault_class"], "runs": len(mine), "diverged": len(div),
+            **{k: sum(bool(x[k]) for x in v) for k in
+               ("detected", "before_divergence", "first", "lead_ok", "lead_steps_ok",
+                "attribution_ok", "no_false_alarm")},
+            "median_lead": _median([r["lead"]["mechmon"] for r in div
+                                    if r["lead"]["mechmon"] is not None]),
+            "median_lead_pct": _median([r["lead_pct"]["mechmon"] for r in div
+                                        if r["lead_pct"]["mechmon"] is not None]),
+            "target_met": ok,
+        }
+    healthy = [r for r in rows if r["scored_healthy"]]
+    steps = sum(int(r["last_step"]) for r in healthy)
+    false_alarms = {}
+    for det in DETECTORS:
+        hit = [r["name"] for r in healthy if r["detectors"][det]["false_alarm_step"] is not None]
+        before = [r["name"] for r in rows if not r["scored_healthy"]
+                  and r["detectors"][det]["false_alarm_step"] is not None]
+        false_alarms[det] = {"healthy_runs": hit, "count": len(hit),
+                             "per_10k_steps": 1e4 * len(hit) / steps if steps else None,
+                             "faulty_runs_before_onset": before}
+    return {
+        "faults": faults,
+        "healthy_runs": len(healthy),
+        "healthy_steps": steps,
+        "false_alarms": false_alarms,
+        "all_targets_met": all(f["target_met"] for f in faults.values())
+        and false_alarms["mechmon"]["count"] == 0,
+    }
+
+
 def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
     """Evaluate every run of ``campaign`` from its logs under ``out``.
 
     Returns:
-        ``{"runs": [...], "summary": {...}}`` (the body of ``drill.json``).
+        ``{"runs": [...], "summary": {...}}`` (part of ``drill.json``).
     """
     runs = campaign.by_name()
     logs = {name: (read_jsonl(run_dir(out, r) / "train.jsonl"),
@@ -61,207 +149,29 @@ def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
     rows = []
     for run in campaign.runs:
         train, metrics = logs[run.name]
+        config = monitor_config(run.config["mechmon"], campaign.spec.optim.warmup_steps)
+        start = None if run.scored_healthy else run.fault_start
         healthy = logs[run.healthy][0] if run.healthy else None
-        start = campaign.fault_start if run.healthy else None
-        ev = evaluate_run(train, metrics, healthy, start, campaign.divergence_margin,
-                          campaign.detectors)
-        row: dict[str, Any] = {"name": run.name, "fault": run.fault, "model": run.model,
-                               "seed": run.seed, "healthy": run.healthy, "fault_start": start,
-                               "last_step": train[-1]["step"] if train else 0,
-                               "final_loss": train[-1]["loss"] if train else None, **ev}
-        if run.healthy:
-            row.update(_verdict(run.fault, row, campaign.fault_start))
+        ev = evaluate_run(train, metrics, healthy, start, config)
+        online = json.loads((run_dir(out, run) / "run.json").read_text())
+        row: dict[str, Any] = {
+            "name": run.name, "fault": run.fault, "fault_class": run.fault_class,
+            "model": run.model, "seed": run.seed, "healthy": run.healthy,
+            "fault_start": run.fault_start, "control": run.control,
+            "scored_healthy": run.scored_healthy,
+            "expected_families": list(run.expected_families),
+            "detection_start_step": config.detectors.start_step,
+            "last_step": train[-1]["step"] if train else 0,
+            "final_loss": train[-1]["loss"] if train else None,
+            "online_alarm_step": online.get("alarm_step"), **ev}
+        if not run.scored_healthy:
+            row.update(score_run(run, ev))
         rows.append(row)
-    return {"runs": rows, "summary": _summary(campaign, rows)}
-
-
-def _verdict(fault: str, row: dict[str, Any], start: int) -> dict[str, Any]:
-    div, dets = row["divergence_step"], row["detectors"]
-    leads = {name: _lead(div, d["alarm_step"], start) for name, d in dets.items()}
-    mech = dets["mechmon"]
-    alarm = mech["alarm_step"]
-    first = (div is not None and alarm is not None and alarm < div
-             and all(dets[b]["alarm_step"] is None or alarm < dets[b]["alarm_step"]
-                     for b in BASELINE_DETECTORS))
-    pct = leads["mechmon"][1]
-    if fault == "compound":
-        attributed = set(MECHANISM_FAMILIES[fault]) <= set(mech["families_before_divergence"])
-    else:
-        attributed = mech["fault_class"] == EXPECTED_CLASS[fault]
-    return {
-        "lead": {name: v[0] for name, v in leads.items()},
-        "lead_pct": {name: v[1] for name, v in leads.items()},
-        "verdict": {"first": first, "lead_ok": pct is not None and pct >= LEAD_TARGET_PCT,
-                    "attribution_ok": attributed},
-    }
-
-
-def _summary(campaign: Campaign, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    per_fault = {}
-    for fault in campaign.faults:
-        mine = [r for r in rows if r["fault"] == fault]
-        pcts = [r["lead_pct"]["mechmon"] for r in mine if r["lead_pct"]["mechmon"] is not None]
-        per_fault[fault] = {
-            "runs": len(mine),
-            "diverged": sum(r["divergence_step"] is not None for r in mine),
-            "first": sum(r["verdict"]["first"] for r in mine),
-            "lead_ok": sum(r["verdict"]["lead_ok"] for r in mine),
-            "attribution_ok": sum(r["verdict"]["attribution_ok"] for r in mine),
-            "median_lead_pct": sorted(pcts)[len(pcts) // 2] if pcts else None,
-            "target_met": all(all(r["verdict"].values()) for r in mine),
-        }
-    healthy = [r for r in rows if r["fault"] == "healthy"]
-    false_alarms = {name: sum(r["detectors"][name]["alarm_step"] is not None for r in healthy)
-                    for name in DETECTORS}
-    return {"faults": per_fault, "healthy_runs": len(healthy), "false_alarms": false_alarms,
-            "all_targets_met": all(v["target_met"] for v in per_fault.values())
-            and false_alarms["mechmon"] == 0}
-
-
-def _fmt(value: Any, suffix: str = "") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.0f}{suffix}"
-    return f"{value}{suffix}"
-
-
-def _markdown(report: dict[str, Any]) -> str:
-    camp = report["campaign"]
-    emu = report["emulation_check"]
-    lines = [
-        f"# mechmon drill: {camp['name']} campaign",
-        "",
-        f"{len(report['runs'])} runs ({camp['steps']} steps each, seeds {camp['seeds']}), "
-        f"fault start step {camp['fault_start']}; training wall time "
-        f"{report['train_wall_s']:.0f} s for {report['trained']} run(s) with {report['jobs']} "
-        "parallel job(s) (the others were reused from an earlier invocation).",
-        "",
-        "Divergence step: first step >= fault start at which the faulty run's loss is "
-        "non-finite or its EMA (weight 0.1 per step) exceeds the healthy run's (same model, "
-        f"seed and data) by more than {camp['divergence_margin']} nats. Lead = divergence - "
-        "alarm (steps); lead % = lead / (divergence - fault start). `-`: no alarm / no "
-        "divergence. All detectors replay the same logs offline (mechmon: monitored steps' "
-        "signals every 10 steps; loss and grad-norm rules: every step). Baselines: loss_spike "
-        "(Megatron's 10x rule), loss_z and grad_norm_z (z > 6 vs the previous 100 steps); "
-        "`global` is mechmon's own loss / grad-norm family (robust z + CUSUM), shown for "
-        "reference and not one of the baselines the targets compare with. first: mechmon "
-        "alarms before the divergence and before loss_spike, loss_z and grad_norm_z.",
-        "",
-        "| run | divergence | mechmon alarm (onset) | lead | lead % | attribution at alarm | "
-        "families before div. | loss_spike | loss_z | grad_norm_z | global | first | "
-        "lead >= 30% | attribution |",
-        "| --- | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | :-: | :-: | "
-        ":-: |",
-    ]
-    mark = {True: "yes", False: "NO"}
-    for r in report["runs"]:
-        if r["fault"] == "healthy":
-            continue
-        d, v = r["detectors"], r["verdict"]
-        m = d["mechmon"]
-        lines.append(
-            f"| {r['name']} | {_fmt(r['divergence_step'])} | {_fmt(m['alarm_step'])} "
-            f"({_fmt(m['onset_step'])}) | {_fmt(r['lead']['mechmon'])} | "
-            f"{_fmt(r['lead_pct']['mechmon'], '%')} | {m['fault_class'] or '-'} "
-            f"({', '.join(m['families']) or '-'}) | "
-            f"{', '.join(m['families_before_divergence']) or '-'} | "
-            + " | ".join(_fmt(d[b]["alarm_step"]) for b in DETECTORS[1:])
-            + f" | {mark[v['first']]} | {mark[v['lead_ok']]} | {mark[v['attribution_ok']]} |")
-    lines += ["", "Healthy runs (any alarm is a false alarm):", "",
-              "| run | " + " | ".join(DETECTORS) + " |",
-              "| --- |" + " ---: |" * len(DETECTORS)]
-    for r in report["runs"]:
-        if r["fault"] == "healthy":
-            lines.append(f"| {r['name']} | "
-                         + " | ".join(_fmt(r["detectors"][n]["alarm_step"]) for n in DETECTORS)
-                         + " |")
-    s = report["summary"]
-    lines += ["", "Summary against the targets (mechmon first, lead >= 30%, attribution; "
-              "counts of runs):", "",
-              "| fault | runs | diverged | first | lead >= 30% | attribution | median lead % | "
-              "target met |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | :-: |"]
-    for fault, f in s["faults"].items():
-        lines.append(f"| {fault} | {f['runs']} | {f['diverged']} | {f['first']} | "
-                     f"{f['lead_ok']} | {f['attribution_ok']} | "
-                     f"{_fmt(f['median_lead_pct'], '%')} | {mark[f['target_met']]} |")
-    fa = s["false_alarms"]
-    lines += ["", f"False alarms on {s['healthy_runs']} healthy runs: "
-              + ", ".join(f"{n} {fa[n]}" for n in DETECTORS) + ".", ""]
-    rel, share = emu["rel_err"], emu["delta_sign_share"]
-    st = emu["setting"]
-    lines += [
-        "## Fault premise (recomputed; see mechmon_megatron/drill/emulation.py)", "",
-        f"- bf16 flash emulation without injected bias vs fp32 attention: relative error O "
-        f"{rel['o']:.2e}, dQ {rel['dq']:.2e}, dK {rel['dk']:.2e}, dV {rel['dv']:.2e} (bf16 unit "
-        f"roundoff {emu['bf16_unit_roundoff']:.2e}); mean signed / mean absolute output error "
-        f"{emu['signed_over_abs']:+.3f} (no systematic sign). The faults engineer measured "
-        "3.8e-3 / 4.9e-3 / 4.8e-3 / 3.8e-3 (tests/unit/test_faults_attention.py).",
-        f"- injected {st['mode']} bits={st['bits']} rate={st['rate']}: the delta = rowsum(dO*O) "
-        f"error has one sign on {100 * share['injected_vs_emulation']:.0f}% of rows vs the "
-        f"unbiased emulation and {100 * share['injected_vs_fp32']:.0f}% vs fp32; the unbiased "
-        f"emulation vs fp32: {100 * share['emulation_vs_fp32']:.0f}% (no consistent sign).",
-        "",
-        "## Plots", "",
-    ]
-    lines += [f"- `{p}`" for p in report["plots"]]
-    return "\n".join(lines) + "\n"
-
-
-def _plot(row: dict[str, Any], out: Path, train: list[dict], metrics: list[dict],
-          h_train: list[dict], h_metrics: list[dict]) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    signals = [_ATTN_SIGNAL] + ([_ROUTER_SIGNAL] if row["model"] == "moe" else [])
-    fig, axes = plt.subplots(2 + len(signals), 1, figsize=(9, 2.2 * (2 + len(signals)) + 0.6),
-                             sharex=True)
-    for rows, label, color in ((train, "faulty", "tab:red"), (h_train, "healthy", "tab:blue")):
-        steps = [r["step"] for r in rows]
-        axes[0].plot(steps, loss_ema(_num(r["loss"]) for r in rows), color=color, lw=1.2,
-                     label=f"{label} loss EMA")
-        axes[1].plot(steps, [_num(r["grad_norm"]) for r in rows], color=color, lw=0.8,
-                     label=f"{label} grad norm")
-    axes[0].set_ylabel("loss (nats)")
-    axes[1].set_ylabel("grad norm")
-    axes[1].set_yscale("log")
-    for ax, name in zip(axes[2:], signals, strict=True):
-        for rows, label, color in ((metrics, "faulty", "tab:red"),
-                                   (h_metrics, "healthy", "tab:blue")):
-            ax.plot([r["step"] for r in rows], [_num(r["signals"].get(name)) for r in rows],
-                    ".-", ms=3, lw=1, color=color, label=label)
-        ax.set_ylabel(name.replace("/entropy", "\nentropy"), fontsize=7)
-    events = [("fault start", row["fault_start"], "grey", ":"),
-              ("divergence", row["divergence_step"], "black", "--")]
-    events += [(f"{n} alarm", d["alarm_step"], _COLORS[n], "-")
-               for n, d in row["detectors"].items()]
-    for i, ax in enumerate(axes):
-        for label, step, color, style in events:
-            if step is not None:
-                ax.axvline(step, color=color, ls=style, lw=1.1,
-                           label=f"{label} ({step})" if i == 0 else None)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6, loc="best")
-    axes[-1].set_xlabel("step")
-    m = row["detectors"]["mechmon"]
-    fig.suptitle(f"{row['name']}: mechmon {m['fault_class'] or 'silent'}, lead "
-                 f"{_fmt(row['lead']['mechmon'])} steps", fontsize=10)
-    fig.tight_layout()
-    path = out / "plots" / f"{row['name']}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def _num(value: Any) -> float:
-    return math.nan if value is None else float(value)
+    return {"runs": rows, "summary": summarize(rows)}
 
 
 def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, trained: int,
-                 jobs: int, emulation: dict[str, Any], plots: bool = True) -> dict[str, Any]:
+                 jobs: int, emulation: dict[str, Any] | None, plots: bool = True) -> dict[str, Any]:
     """Evaluate ``campaign`` and write ``drill.json``, ``drill.md`` and ``plots/*.png``.
 
     Args:
@@ -270,31 +180,30 @@ def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, train
         train_wall_s: wall time spent training by this invocation (seconds).
         trained: runs trained by this invocation (the others were reused).
         jobs: parallel training jobs.
-        emulation: :func:`mechmon_megatron.drill.emulation.emulation_check` result.
-        plots: write one PNG per faulty run.
+        emulation: :func:`mechmon_megatron.drill.emulation.emulation_check` result, or None.
+        plots: write one PNG per run.
 
     Returns:
         The ``drill.json`` content.
     """
+    from mechmon_megatron.drill.markdown import render
+    from mechmon_megatron.drill.plots import plot_run
+
     out = Path(out)
     body = evaluate_campaign(campaign, out)
-    report = {"campaign": campaign.describe(), "train_wall_s": train_wall_s,
-              "trained": trained, "jobs": jobs,
+    report = {"schema_version": SCHEMA_VERSION, "campaign": campaign.describe(),
+              "train_wall_s": train_wall_s, "trained": trained, "jobs": jobs,
+              "targets": {"lead_pct": LEAD_TARGET_PCT, "lead_steps": LEAD_TARGET_STEPS},
               "emulation_check": emulation, **body, "plots": []}
     if plots:
+        runs = campaign.by_name()
         for row in body["runs"]:
-            if row["fault"] == "healthy":
-                continue
-            run, healthy = campaign.by_name()[row["name"]], campaign.by_name()[row["healthy"]]
-            path = _plot(row, out,
-                         read_jsonl(run_dir(out, run) / "train.jsonl"),
-                         read_jsonl(run_dir(out, run) / "metrics.jsonl"),
-                         read_jsonl(run_dir(out, healthy) / "train.jsonl"),
-                         read_jsonl(run_dir(out, healthy) / "metrics.jsonl"))
+            partner = runs[row["healthy"]] if row["healthy"] else None
+            path = plot_run(row, out, run_dir(out, runs[row["name"]]),
+                            run_dir(out, partner) if partner else None)
             report["plots"].append(str(path.relative_to(out)))
-    (out / "drill.json").write_text(json.dumps(_jsonable(report), indent=1, sort_keys=False)
-                                    + "\n")
-    (out / "drill.md").write_text(_markdown(report))
+    (out / "drill.json").write_text(json.dumps(_jsonable(report), indent=1) + "\n")
+    (out / "drill.md").write_text(render(report))
     return report
 
 

@@ -1,0 +1,103 @@
+"""Campaign files: strict loading that names the field, the shipped campaigns, the runs built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mechmon_megatron.config import load_config
+from mechmon_megatron.drill import SHIPPED, build_campaign, load_campaign
+from mechmon_megatron.drill.spec import campaign_path
+
+_SMALL = {
+    "steps": 100,
+    "seeds": [1, 2],
+    "models": {"dense": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4}},
+    "faults": [{"name": "attn", "class": "attention", "model": "dense", "onset": 0.5}],
+}
+
+
+def _with(path: str, value) -> dict:
+    data = yaml.safe_load(yaml.safe_dump(_SMALL))
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    node[int(last) if isinstance(node, list) else last] = value
+    return data
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_campaign_loads_and_pairs_each_fault_run_with_its_healthy_run(name):
+    campaign = build_campaign(load_campaign(name))
+    runs = campaign.by_name()
+    assert campaign.name == name
+    for run in campaign.runs:
+        if run.healthy is None:
+            continue
+        partner = runs[run.healthy]
+        assert (partner.model, partner.seed, partner.fault) == (run.model, run.seed, "healthy")
+        assert partner.config["attention"] == run.config["attention"]
+        assert partner.config["mechmon"] == run.config["mechmon"]
+        assert 0 < run.fault_start < campaign.steps
+
+
+def test_a_typo_in_a_campaign_file_is_refused_naming_the_dotted_field(tmp_path):
+    bad = _with("models.dense.num_layer", 2)
+    with pytest.raises(ValueError, match=r"campaign\.models\.dense\.num_layer: unknown key; "
+                                         r"did you mean 'num_layers'\?"):
+        load_campaign(bad)
+    path = Path(tmp_path) / "c.yaml"
+    path.write_text(yaml.safe_dump(_with("faults.0.onse", 10)))
+    with pytest.raises(ValueError, match=r"campaign\.faults\[0\]\.onse: unknown key; "
+                                         r"did you mean 'onset'\?"):
+        load_campaign(path)
+    with pytest.raises(ValueError, match=r"campaign\.faults\[0\]\.attention\.bits: invalid"):
+        load_campaign(_with("faults.0.attention", {"bits": 9}))
+    with pytest.raises(ValueError, match=r"campaign\.faults\[0\]\.model: invalid value 'moe'"):
+        load_campaign(_with("faults.0.model", "moe"))
+    with pytest.raises(ValueError, match=r"campaign\.faults\[0\]\.onset: invalid value 1\.5"):
+        load_campaign(_with("faults.0.onset", 1.5))
+    with pytest.raises(ValueError, match=r"campaign\.monitor\.intervall: unknown key"):
+        load_campaign(_with("monitor", {"intervall": 10}))
+
+
+def test_a_campaign_cannot_carry_detector_tuning_or_a_model_seed():
+    with pytest.raises(ValueError, match=r"campaign\.detectors: unknown key"):
+        load_campaign({**_SMALL, "detectors": {"warmup_samples": 5}})
+    with pytest.raises(ValueError, match=r"campaign\.models\.dense\.seed"):
+        load_campaign(_with("models.dense.seed", 3))
+
+
+def test_runs_use_the_shipped_defaults_with_only_the_harness_keys_changed(tmp_path):
+    campaign = build_campaign(load_campaign(_with("monitor", {"interval": 10})))
+    shipped = load_config().to_dict()
+    mech = campaign.runs[0].config["mechmon"]
+    assert mech["detectors"] == shipped["detectors"]
+    assert mech["qk"]["interval"] == mech["router"]["interval"] == mech["optim"]["interval"] == 10
+    assert mech["optim"]["sharpness"]["interval"] == 500
+    assert mech["actions"]["on_alarm"] == "log"
+    assert [r.name for r in campaign.runs] == ["healthy-dense-s1", "healthy-dense-s2",
+                                               "attn-s1", "attn-s2"]
+    assert campaign.runs[2].fault_start == 50 and campaign.runs[2].expected_families == ("attn",)
+    user = tmp_path / "m.yaml"
+    user.write_text("detectors: {false_alarms_per_10k_steps: 0.5}\n")
+    mine = build_campaign(load_campaign(_SMALL), user)
+    assert mine.runs[0].config["mechmon"]["detectors"]["false_alarms_per_10k_steps"] == 0.5
+    assert mine.runs[0].key() != build_campaign(load_campaign(_SMALL)).runs[0].key()
+
+
+def test_compound_faults_expect_every_mechanism_they_combine():
+    data = _with("faults.0", {"name": "both", "class": "compound", "model": "dense",
+                              "onset": 40, "compound": ["attention", "lr"]})
+    run = build_campaign(load_campaign(data)).runs[-1]
+    assert run.expected_families == ("attn", "optim")
+    assert run.config["fault"]["compound"] == ["attention", "lr"]
+    assert set(run.config["fault"]) == {"kind", "start_step", "compound", "attention", "lr"}
+
+
+def test_shipped_campaign_files_are_package_data():
+    for name in SHIPPED:
+        assert campaign_path(name).is_file()

@@ -7,8 +7,10 @@ signals come from the live monitor itself: a
 :class:`~mechmon_megatron.monitors.qk_update.QKUpdateMonitor` with one source (all heads,
 ``comm.SELF``), its snapshot set to ``W(t0)`` through ``load_state_dict`` and ``end_step(t1)``
 reading ``W(t1)``; so the per-head terms, the per-layer statistics and the layer sketch (seeded
-by layer and step) are the same functions with the same names as in training. Peak memory: one
-layer's tensors of two checkpoints (three with the coherence term).
+by layer and step) are the same functions with the same names as in training; with the
+checkpoint before ``t0`` its rows are the snapshot's ``W(t0 - d')``, so the live cosine of
+successive updates (``attn/coherence/cos``) is computed too. Peak memory: one layer's tensors of
+two checkpoints (three with the coherence terms).
 
 Signals besides the QK monitor's (L global 1-based layer, g weight group,
 ``dW = W(t1) - W(t0)``):
@@ -116,8 +118,13 @@ class PairScanner:
                           read=lambda: (wq1, wk1), sketch_group=comm.SELF,
                           num_groups=model.num_query_groups)
         monitor = QKUpdateMonitor(qk_cfg, [source], all_layers={layer: heads})
-        monitor.load_state_dict({"snapshots": {layer: {
-            "step": t0, "wq": wq0.to(snap), "wk": wk0.to(snap)}}})
+        older_rows = (qk_rows(attn, {n: older.read(n) for n in attn.names()}, model)
+                      if older is not None else None)
+        state = {"step": t0, "wq": wq0.to(snap), "wk": wk0.to(snap)}
+        if older_rows is not None and getattr(cfg, "coherence", False):
+            # W(t0 - d') as the live monitor keeps it, for its cosine of successive updates.
+            state.update(wq_prev=older_rows[0].to(snap), wk_prev=older_rows[1].to(snap))
+        monitor.load_state_dict({"snapshots": {layer: state}})
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = monitor.end_step(t1)
@@ -132,8 +139,8 @@ class PairScanner:
         dqk2 = float((wq1.double() - wq0.double()).pow(2).sum()
                      + (wk1.double() - wk0.double()).pow(2).sum())
         last = self._last_dqk2.get(layer)
-        if older is not None and last is not None and last[0] == t0:
-            wqo, wko, _ = qk_rows(attn, {n: older.read(n) for n in attn.names()}, model)
+        if older_rows is not None and last is not None and last[0] == t0:
+            wqo, wko, _ = older_rows
             span = float((wq1.double() - wqo.double()).pow(2).sum()
                          + (wk1.double() - wko.double()).pow(2).sum())
             total = dqk2 + last[1]

@@ -2,8 +2,9 @@
 interval d: reference-trainer dist checkpoints (dense and MoE, TP=1 and TP=2) and DeepSpeed
 checkpoints (ZeRO-1, HF-style q_proj/k_proj with GQA).
 
-One spawn of two gloo ranks trains all five runs (4 steps, a checkpoint and a monitored step
-every 2); the scans run in the test process, without megatron-core or DeepSpeed.
+One spawn of two gloo ranks trains all five runs (6 steps, a checkpoint and a monitored step
+every 2); the scans run in the test process, without megatron-core or DeepSpeed. Three
+checkpoints, so the second pair also checks the cosine of successive updates.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("deepspeed")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-EVERY, STEPS = 2, 4
+EVERY, STEPS = 2, 6
 DENSE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
          "seq_length": 16, "qk_layernorm": True}
 MOE = dict(DENSE, num_moe_experts=4, moe_router_topk=2, qk_layernorm=False)
@@ -118,6 +119,8 @@ def test_scan_of_dist_checkpoints_equals_the_live_monitor(runs, case):
     assert worst <= 1e-5, worst
     compared, worst = _compare(runs / case, ("attn/",))
     assert worst <= 1e-5, worst
+    compared, worst = _compare(runs / case, ("attn/coherence/",))
+    assert compared > 0 and worst <= 1e-5, (compared, worst)
     if case.startswith("moe"):
         compared, worst = _compare(runs / case, ("router/weight",))
         assert compared == 3 * DENSE["num_layers"] * (STEPS // EVERY - 1)

@@ -83,7 +83,12 @@ def replay(rows: list[dict[str, Any]], config: MechMonConfig,
     warmup = scan_warmup(config.detectors.warmup_samples, len(rows), warmup_samples)
     detectors = _short_series(config.detectors, warmup)
     names = sorted({name for row in rows for name in row["signals"]})
-    bank = DetectorBank(detectors, names)
+    # One sample per pair: every family's monitor interval is the checkpoint window, which the
+    # false-alarm budget turns into thresholds.
+    windows = sorted(int(row["window"]) for row in rows) or [1]
+    window = windows[len(windows) // 2]
+    bank = DetectorBank(detectors, names,
+                        intervals={family: window for family in detectors.families()})
     result = ReplayResult(warmup, len(bank.signals))
     for i, row in enumerate(rows):
         found = bank.update(int(row["step"]), row["signals"])

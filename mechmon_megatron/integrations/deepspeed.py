@@ -11,7 +11,9 @@ Usage (every rank, after ``deepspeed.initialize``)::
 What :func:`attach` hooks on the engine instance (DeepSpeed itself is not edited)::
 
     engine.module forward pre-hook   first grad-enabled forward of step t = global_steps + 1:
-                                     mon.begin_step(t)  (arms the router capture)
+                                     mon.begin_step(t)  (arms the router capture); its inputs
+                                     are kept by reference for the optim probe (and the
+                                     forward hook notes whether its output is a scalar loss)
     engine.backward                  records the (unscaled) micro-batch loss
     engine._take_model_step          the optimizer step of DeepSpeedEngine.step() and of
                                      PipelineEngine.train_batch(); after it, if global_steps
@@ -42,7 +44,9 @@ Groups: the QK sketch runs on ``comm.SELF`` (every DP rank holds all heads, so t
 no communication); routing statistics are
 reduced over :func:`mechmon_megatron.layouts.deepspeed_moe.router_group`. Tensor-parallel engines
 (an ``mpu`` with model-parallel size > 1, e.g. Megatron-DeepSpeed) are not supported by the
-HF-style QK layout and are rejected at attach time when the QK monitor is enabled.
+HF-style QK layout and are rejected at attach time when the QK monitor is enabled; the optim
+family skips them with a warning. The optim family's reads and probe:
+:mod:`mechmon_megatron.integrations.deepspeed_optim` (no sharpness under ZeRO-3).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.integrations.deepspeed_optim import BatchCache
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import Sink, build_sinks
 
@@ -93,8 +98,11 @@ def engine_config(engine: Any,
     return load_config(block)
 
 
-def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
+def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> list[Any]:
     """The configured monitors over ``engine.module`` (collective: small metadata gathers).
+
+    ``batch``: the hooks' :class:`~mechmon_megatron.integrations.deepspeed_optim.BatchCache`
+    (the optim family's sharpness probe needs it; without it, update ratios only).
 
     Raises:
         ValueError: ``qk.enabled`` on a model without recognised attention modules, or on a
@@ -130,6 +138,19 @@ def build_monitors(config: MechMonConfig, engine: Any) -> list[Any]:
             warnings.warn("mechmon: router.enabled is true but the model has no DeepSpeed "
                           "TopKGate; the router monitor does nothing", RuntimeWarning,
                           stacklevel=2)
+    if config.optim.enabled:
+        from deepspeed.utils import groups
+        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+
+        from mechmon_megatron.integrations.deepspeed_optim import deepspeed_optim_source
+        from mechmon_megatron.monitors.optim import OptimMonitor, optim_holders
+
+        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+            warnings.warn("mechmon: optim is not supported on tensor-parallel DeepSpeed engines; "
+                          "the optim monitor does nothing", RuntimeWarning, stacklevel=2)
+        else:
+            source = deepspeed_optim_source(engine, batch, config.optim.sharpness.enabled)
+            monitors.append(OptimMonitor(config.optim, source, optim_holders(source)))
     return monitors
 
 
@@ -183,6 +204,8 @@ class DeepSpeedMechMon:
         self._handles: list[Any] = []
         self._losses: list[torch.Tensor] = []
         self._begun: int | None = None
+        self.batch = BatchCache()
+        """The optim probe's micro-batch (references to the first forward's inputs)."""
 
     # -- public --------------------------------------------------------------------------------
 
@@ -228,15 +251,23 @@ class DeepSpeedMechMon:
                 raise RuntimeError(f"engine.{name} is already wrapped (mechmon attached twice?)")
             self._originals[name] = getattr(self.engine, name)
             setattr(self.engine, name, wrapper)
-        self._handles.append(self.engine.module.register_forward_pre_hook(self._pre_forward))
+        module = self.engine.module
+        self._handles.append(module.register_forward_pre_hook(self._pre_forward,
+                                                              with_kwargs=True))
+        self._handles.append(module.register_forward_hook(self._post_forward))
 
-    def _pre_forward(self, module: torch.nn.Module, args: tuple) -> None:
-        if not torch.is_grad_enabled():
+    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled() or self.batch.probing:
             return
         step = int(self.engine.global_steps) + 1
         if step != self._begun:
             self._begun = step
             self.mon.begin_step(step)
+        self.batch.capture(step, args, kwargs)
+
+    def _post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        if torch.is_grad_enabled() and not self.batch.probing:
+            self.batch.observe(output)
 
     def _backward(self, loss: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(loss, torch.Tensor):
@@ -315,7 +346,7 @@ def attach(
     hooks = DeepSpeedMechMon(engine, cfg, save_dir or os.path.join(cfg.output_dir, "checkpoints"))
     if not cfg.enabled:
         return hooks
-    monitors = build_monitors(cfg, engine)
+    monitors = build_monitors(cfg, engine, batch=hooks.batch)
     if sinks is None and comm.global_rank() == 0:
         from mechmon_megatron.sinks.deepspeed_monitor import DeepSpeedMonitorSink
 

@@ -22,7 +22,7 @@ under a saved-and-restored RNG (torch, CUDA, megatron's tracker) and with every 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,8 +30,8 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import fp32_weight
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
-from mechmon_megatron.monitors.optim import OptimParam, OptimSource
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
+from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
+from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, isolated
 
 __all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders"]
 
@@ -124,29 +124,12 @@ def adam_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> AdamStat
     return AdamState(denoms, lrs, beta1, moments)
 
 
-@contextlib.contextmanager
-def _isolated(model: torch.nn.Module) -> Iterator[None]:
-    """Eval mode, own RNG, buffers restored: the probe leaves no trace on training."""
+def _isolated(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    """:func:`~mechmon_megatron.monitors.sharpness.isolated` with megatron's RNG tracker."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    tracker = get_cuda_rng_tracker().get_states()
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        get_cuda_rng_tracker().set_states(tracker)
+    tracker = get_cuda_rng_tracker()
+    return isolated(model, [(tracker.get_states, tracker.set_states)])
 
 
 def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
@@ -189,13 +172,3 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
 
         probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state)
     return OptimSource(entries, read, probe)
-
-
-def optim_holders(source: OptimSource) -> dict[str, int]:
-    """``{key: ranks holding it}`` over the world (collective: one gather, one SUM)."""
-    mine = set(source.keys())
-    keys = sorted(comm.all_gather_union({k: 1 for k in mine}))
-    counts = comm.all_reduce_sum(torch.tensor([int(k in mine) for k in keys],
-                                              dtype=torch.int64))
-    return dict(zip(keys, (int(c) for c in counts.tolist()), strict=True))
-

@@ -46,7 +46,8 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.monitors.sharpness import CurvatureProbe, SharpnessEstimator
 
-__all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "SHARPNESS_SIGNALS"]
+__all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
+           "SHARPNESS_SIGNALS"]
 
 SHARPNESS_SIGNALS = ("eos_ratio", "lambda", "iters", "residual")
 
@@ -89,6 +90,15 @@ class OptimSource:
         return sorted({optim_key(p.group, p.layer) for p in self.params})
 
 
+def optim_holders(source: OptimSource) -> dict[str, int]:
+    """``{key: ranks holding it}`` over the world (collective: one gather, one SUM)."""
+    mine = set(source.keys())
+    keys = sorted(comm.all_gather_union({k: 1 for k in mine}))
+    counts = comm.all_reduce_sum(torch.tensor([int(k in mine) for k in keys],
+                                              dtype=torch.int64))
+    return dict(zip(keys, (int(c) for c in counts.tolist()), strict=True))
+
+
 class OptimMonitor:
     """See the module docstring.
 
@@ -96,7 +106,7 @@ class OptimMonitor:
         config: ``OptimMonitorConfig`` (interval, warmup_steps, update_ratio, sharpness).
         source: this rank's :class:`OptimSource`.
         holders: ``{key: number of ranks holding it}`` over the whole model (every rank the
-            same; from :func:`mechmon_megatron.integrations.megatron_core.optim_holders`).
+            same; from :func:`optim_holders`).
     """
 
     family = "optim"

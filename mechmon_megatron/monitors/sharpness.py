@@ -20,8 +20,9 @@ values that are identical on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +37,39 @@ from mechmon_megatron.math.curvature import (
     power_iteration,
 )
 
-__all__ = ["AdamState", "CurvatureProbe", "SharpnessEstimator"]
+__all__ = ["AdamState", "CurvatureProbe", "SharpnessEstimator", "isolated"]
+
+
+RngTracker = tuple[Callable[[], Any], Callable[[Any], None]]
+"""``(get_states, set_states)`` of a framework's extra RNG (megatron's or DeepSpeed's tracker)."""
+
+
+@contextlib.contextmanager
+def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Iterator[None]:
+    """Eval mode, own RNG, buffers restored: the probe's forward leaves no trace on training.
+
+    Saves and restores every module's ``training`` flag, the CPU and CUDA RNG, each tracker's
+    states and every buffer (e.g. a router's token counts for expert-bias updates).
+    """
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    saved = [get() for get, _ in trackers]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        with torch.no_grad():
+            for b, copy in buffers:
+                b.copy_(copy)
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        for (_, put), states in zip(trackers, saved, strict=True):
+            put(states)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,166 @@
+"""The optim family on DeepSpeed 0.19.8 engines, two gloo ranks (CPU), one spawn.
+
+TinyLM (launch/deepspeed_train.py) with a torch AdamW over two param groups (decay and
+no-decay: ZeRO 1/2 link Adam's state to the parameters of the first group only, which the probe
+repairs), trained 4 steps per run with the optim family every 2 steps: ZeRO 0 and 2 with the
+sharpness probe, ZeRO 3 (update ratios only, the probe refused with one warning), and ZeRO 2
+with the family off. Each step every rank reads the full fp32 weights with DeepSpeed's own
+call, so rank 0 recomputes the update ratios in one process from the weights before and after
+the step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from tests._dist import run_distributed
+from tests.integration.test_deepspeed import MICRO, QUIET, SEQ, TRAIN, VOCAB, _table
+
+pytest.importorskip("deepspeed")
+
+STEPS, EVERY = 4, 2
+MONITORED = list(range(EVERY, STEPS + 1, EVERY))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _deepspeed_ops() -> None:
+    """Build (or load from the cache) DeepSpeed's CPU shm op once, before ranks race for it."""
+    from deepspeed.comm.torch import build_shm_op
+
+    build_shm_op()
+
+
+def _engine(stage: int, block: dict):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = TRAIN.TinyLM(VOCAB, d_model=32, layers=2, heads=4, kv_heads=2)
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # partition even the tiny weights
+    config = {"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": zero, "mechmon": block}
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named if p.dim() > 1], "weight_decay": 0.01},
+              {"params": [p for _, p in named if p.dim() <= 1], "weight_decay": 0.0}]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=groups, config=config,
+                                      dist_init_required=False)
+    return engine
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    from mechmon_megatron.layouts.hf_attention import full_fp32_weight
+
+    return {n: full_fp32_weight(p).clone() for n, p in engine.module.named_parameters()}
+
+
+def _ratios(before: dict, after: dict) -> dict[str, float]:
+    """Single-process ``|W1 - W0| / |W0|`` per key and over the whole model."""
+    from mechmon_megatron.layouts.param_groups import classify
+    from mechmon_megatron.monitors.optim import optim_key
+
+    named = list(before.items())
+    sums: dict[str, list[float]] = {}
+    for (name, w0), (group, layer) in zip(named, classify(named, {}), strict=True):
+        for key in (optim_key(group, layer), "all"):
+            acc = sums.setdefault(key, [0.0, 0.0])
+            acc[0] += float((after[name].double() - w0.double()).pow(2).sum())
+            acc[1] += float(w0.double().pow(2).sum())
+    return {k: math.sqrt(u / r) for k, (u, r) in sums.items()}
+
+
+def _key_ratio(signals: dict[str, float], key: str) -> float:
+    """A key's ratio from its reduced squared norms (``update_ratio/norm`` is also the name of
+    the layered norm group's total, so the per-key value is read from the sums)."""
+    if key == "all":
+        return signals["optim/update_ratio/all"]
+    return math.sqrt(signals[f"optim/update_sq/{key}"] / signals[f"optim/weight_sq/{key}"])
+
+
+def _run(rank: int, tmp: str, stage: int, optim: bool) -> dict:
+    from mechmon_megatron.deepspeed import attach
+
+    out_dir = os.path.join(tmp, f"zero{stage}_{int(optim)}")
+    block = {"output_dir": out_dir, "qk": {"enabled": False}, "sinks": QUIET,
+             "actions": {"on_alarm": "log"},
+             "optim": {"enabled": optim, "interval": EVERY,
+                       "sharpness": {"interval": EVERY, "iters": 4, "tol": 0.0}}}
+    engine = _engine(stage, block)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mm = attach(engine)
+    losses, recomputed = [], {}
+    before = _weights(engine)
+    for _ in range(STEPS):
+        step = engine.global_steps + 1
+        loss = engine(TRAIN.batch(step, rank, MICRO, SEQ, VOCAB, seed=0))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        after = _weights(engine)
+        if step % EVERY == 0:
+            recomputed[step] = _ratios(before, after)
+        before = after
+    mm.close()
+    # numpy: torch tensors would travel through shared memory that dies with the rank.
+    return {"losses": losses, "recomputed": recomputed,
+            "weights": {n: w.numpy() for n, w in before.items()},
+            "warnings": [str(w.message) for w in caught if "optim" in str(w.message)],
+            "table": _table(pathlib.Path(out_dir) / "metrics.jsonl") if rank == 0 else None}
+
+
+def _worker(rank: int, world_size: int, tmp: str) -> dict:
+    return {f"{stage}_{int(optim)}": _run(rank, tmp, stage, optim)
+            for stage, optim in ((0, True), (2, True), (3, True), (2, False))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> list[dict]:
+    tmp = tmp_path_factory.mktemp("ds_optim")
+    return run_distributed(_worker, 2, str(tmp), timeout=300)
+
+
+def test_update_ratios_equal_a_single_process_recomputation_at_zero_0_2_and_3(runs):
+    ref = runs[0]["0_1"]
+    for run in ("0_1", "2_1", "3_1"):
+        table, recomputed = runs[0][run]["table"], runs[0][run]["recomputed"]
+        assert sorted(recomputed) == MONITORED
+        for step, ratios in recomputed.items():
+            for key, want in ratios.items():
+                got, zero0 = (_key_ratio(t[step], key) for t in (table, ref["table"]))
+                assert got == pytest.approx(want, rel=1e-5), (run, step, key)
+                assert got == pytest.approx(zero0, rel=1e-5), (run, step, key)
+
+
+def test_sharpness_at_zero_0_and_zero_2_agree_within_one_percent(runs):
+    zero0, zero2 = runs[0]["0_1"]["table"], runs[0]["2_1"]["table"]
+    for step in MONITORED:
+        a, b = zero0[step]["optim/sharpness/lambda"], zero2[step]["optim/sharpness/lambda"]
+        assert math.isfinite(a) and a > 0, (step, a)
+        assert b == pytest.approx(a, rel=0.01), step
+        assert zero2[step]["optim/sharpness/eos_ratio"] == pytest.approx(
+            zero0[step]["optim/sharpness/eos_ratio"], rel=0.01)
+
+
+def test_zero_3_reports_update_ratios_and_refuses_the_probe_with_one_warning(runs):
+    for rank in runs:
+        refusals = [w for w in rank["3_1"]["warnings"] if "ZeRO-3" in w]
+        assert len(refusals) == 1, rank["3_1"]["warnings"]
+    assert all(math.isnan(runs[0]["3_1"]["table"][s].get("optim/sharpness/lambda", math.nan))
+               for s in MONITORED)
+
+
+def test_training_with_the_optim_family_is_bitwise_equal_to_training_without(runs):
+    for rank in runs:
+        on, off = rank["2_1"], rank["2_0"]
+        assert on["losses"] == off["losses"]
+        for name, weight in off["weights"].items():
+            assert np.array_equal(on["weights"][name], weight), name

@@ -84,23 +84,28 @@ class SignalChannel:
         self.detectors: list[Detector] = []
         self.nonfinite = 0
 
-    def update(self, step: int, value: float) -> list[Finding]:
-        """Feed one sample to every detector, then to the baseline (NaN: not observed, skip)."""
-        if math.isnan(value):
+    def update(self, step: int, value: float, raw: float | None = None) -> list[Finding]:
+        """Feed one sample to every detector, then to the baseline (NaN: not observed, skip).
+
+        ``value`` is the sample the standardizing detectors and the baseline see (a peer
+        departure for peer signals); ``raw`` (default ``value``) is what absolute bounds judge.
+        """
+        raw = value if raw is None else raw
+        if math.isnan(raw):
             return []
-        finite = math.isfinite(value)
-        if not finite:
+        if not math.isfinite(raw):
             self.nonfinite += 1
         elif step < self.start_step:
             return []
-        findings = [
-            f
-            for d in self.detectors
-            if finite or d.accepts_nonfinite
-            if (f := d.update(step, value)) is not None
-        ]
+        findings = []
+        for d in self.detectors:
+            x = raw if d.absolute else value
+            if math.isnan(x) or not (math.isfinite(x) or d.accepts_nonfinite):
+                continue
+            if (f := d.update(step, x)) is not None:
+                findings.append(f)
         b = self.baseline
-        if finite and b is not None:
+        if math.isfinite(value) and b is not None:
             if not b.ready:
                 b.observe(value)
             elif orient(b.z(value), self.direction) <= self.threshold and not any(
@@ -259,8 +264,8 @@ class DetectorBank:
         relative = self.peers.transform(signals)
         for name, channel in self.channels.items():
             if name in signals:
-                value = relative.get(name, signals[name])
-                findings.extend(channel.update(step, float(value)))
+                raw = float(signals[name])
+                findings.extend(channel.update(step, float(relative.get(name, raw)), raw))
         self.alarming.extend(f for f in findings if f.alarm)
         return findings
 

@@ -105,6 +105,8 @@ class Detector:
     name: ClassVar[str]
     _state: ClassVar[tuple[str, ...]] = ()
     accepts_nonfinite: ClassVar[bool] = False
+    absolute: ClassVar[bool] = False
+    """Judges the raw value, never its peer departure (detect/peers.py)."""
 
     def __init__(self, signal: str, family: str, alarm: bool = True) -> None:
         self.signal, self.family, self.alarm = signal, family, alarm
@@ -217,6 +219,7 @@ class Bounds(Detector):
     """Absolute bounds, from the first sample, out of bounds on ``k`` of the last ``n``."""
 
     name = "bounds"
+    absolute = True
     _state = ("recent",)
 
     def __init__(self, signal: str, family: str, baseline: Baseline, config: BoundsConfig) -> None:

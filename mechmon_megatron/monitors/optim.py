@@ -19,8 +19,9 @@ mean is the exact total; the ratios are derived from the reduced table.
 =====================================  ===========================================================
 ``optim/update_sq/<key>``              ``|W1 - W0|_F^2`` of the key (all shards)
 ``optim/weight_sq/<key>``              ``|W0|_F^2``
-``optim/update_ratio/<key>``           ``r_k`` (derived)
-``optim/update_ratio/<group>``         over all layers of a layered group (derived)
+``optim/update_ratio/<g>/layer_<L>``  ``r_k`` of a layer's group (derived)
+``optim/update_ratio/<g>``             over every tensor of group g, in the layers or outside
+                                       (e.g. ``norm``: the layers' norms and the final norm)
 ``optim/update_ratio/all``             whole model (derived)
 ``optim/sharpness/eos_ratio``          ``lambda_max(D^1/2 H D^1/2) / ((2 + 2 b1) / (1 - b1))``
 ``optim/sharpness/lambda``             ``lambda_max`` per unit of the largest group LR
@@ -132,10 +133,10 @@ class OptimMonitor:
         names = [f"optim/sharpness/{s}" for s in SHARPNESS_SIGNALS]
         if self.config.update_ratio.enabled:
             for key in self.holders:
-                names += [f"optim/{kind}/{key}" for kind in ("update_sq", "weight_sq",
-                                                             "update_ratio")]
-            layered = {k.split("/")[0] for k in self.holders if "/" in k}
-            names += [f"optim/update_ratio/{g}" for g in layered] + ["optim/update_ratio/all"]
+                names += [f"optim/update_sq/{key}", f"optim/weight_sq/{key}",
+                          f"optim/update_ratio/{key}"]
+            names += [f"optim/update_ratio/{k.split('/')[0]}" for k in self.holders]
+            names.append("optim/update_ratio/all")
         return sorted(set(names))
 
     def due(self, step: int) -> bool:
@@ -169,14 +170,13 @@ class OptimMonitor:
         return out
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
-        """Ratios from the reduced squared norms: per key, per layered group, whole model."""
+        """Ratios from the reduced squared norms: per layer key, per group, whole model."""
         sums: dict[str, list[float]] = {}
         out: dict[str, float] = {}
         for key in self.holders:
             upd = table.get(f"optim/update_sq/{key}", math.nan)
             ref = table.get(f"optim/weight_sq/{key}", math.nan)
-            out[f"optim/update_ratio/{key}"] = _ratio(upd, ref)
-            for total in ({key.split("/")[0], "all"} if "/" in key else {"all"}):
+            for total in {key, key.split("/")[0], "all"}:
                 acc = sums.setdefault(total, [0.0, 0.0])
                 acc[0] += upd
                 acc[1] += ref

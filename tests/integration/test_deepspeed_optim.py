@@ -78,8 +78,8 @@ def _ratios(before: dict, after: dict) -> dict[str, float]:
 
 
 def _key_ratio(signals: dict[str, float], key: str) -> float:
-    """A key's ratio from its reduced squared norms (``update_ratio/norm`` is also the name of
-    the layered norm group's total, so the per-key value is read from the sums)."""
+    """A key's ratio from its reduced squared norms (a layer-less key such as the final ``norm``
+    shares its ratio name with its group's total, so the per-key value is read from the sums)."""
     if key == "all":
         return signals["optim/update_ratio/all"]
     return math.sqrt(signals[f"optim/update_sq/{key}"] / signals[f"optim/weight_sq/{key}"])

@@ -365,8 +365,10 @@ class Run:
     def config(self, **actions: object) -> Path:
         cfg = {
             "output_dir": str(self.tmp / "mechmon_out"),
+            # No monitor family: every step is monitored, so the loss rules see each step.
             "qk": {"enabled": False},
             "router": {"enabled": False},
+            "optim": {"enabled": False},
             "detectors": {"warmup_samples": 5},
             "actions": {"on_alarm": "checkpoint_and_exit", **actions},
             "sinks": {"console": {"enabled": False}},

@@ -2,8 +2,8 @@
 
 ``SyntheticMonitor`` is a deterministic signal generator that follows the Monitor protocol: per
 layer an attention entropy near 3.0 with small seeded noise; layer 1's drops by 0.5 at each fault
-step (a local level shift: the default attn detectors compare a layer with its peers). ``SilentBank`` keeps a rank from tripping. Both
-are reused by the distributed tests.
+step (a local level shift: the default attn detectors compare a layer with its peers).
+``SilentBank`` keeps a rank from tripping. Both are reused by the distributed tests.
 """
 
 from __future__ import annotations

@@ -39,9 +39,10 @@ Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by Me
 
 :func:`install` first checks the version contract
 (:mod:`~mechmon_megatron.integrations.megatron_lm_contract`); a mismatch raises before anything
-is wrapped. Hook points for more monitors: ``_setup_model_and_optimizer`` sees the model chunks,
-the optimizer and the scheduler (``result[2]``, the learning rate), ``_train_step`` sees
-``forward_step_func``, ``data_iterator`` and ``forward_backward_func`` of each iteration.
+is wrapped. ``_train_step`` hands Megatron a ``forward_step_func`` that keeps the step's first
+micro-batch by reference (:mod:`~mechmon_megatron.integrations.megatron_lm_probe`), which the
+optimizer monitor's sharpness probe replays after the update; the learning rate is the one the
+scheduler wrote into the optimizer's param groups.
 
 Resuming from that checkpoint unchanged re-raises the alarm in ``check_resume`` and exits with
 the same code before any step; ``actions.acknowledge: <alarm_id>`` re-arms instead.
@@ -77,6 +78,7 @@ from mechmon_megatron import comm
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
 from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
+from mechmon_megatron.integrations.megatron_lm_probe import StepBatch
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -277,6 +279,8 @@ class MegatronLMHooks:
         self.actions = MegatronLMActions(training.get_args)
         self.mon: MechMon | None = None
         """The attached ``MechMon`` (None until the model and optimizer exist)."""
+        self.batch = StepBatch()
+        """Each step's first micro-batch, replayed by the sharpness probe."""
         self.originals: dict[str, Callable[..., Any]] = {}
         self._signatures: dict[str, inspect.Signature] = {}
 
@@ -320,7 +324,8 @@ class MegatronLMHooks:
         from mechmon_megatron.integrations.megatron_core import build_monitors
 
         chunks = model if isinstance(model, list) else [model]
-        monitors = build_monitors(self.config, chunks, optimizer)
+        monitors = build_monitors(self.config, chunks, optimizer,
+                                  probe_loss=self.batch.probe_loss, has_batch=self.batch.has_batch)
         logging_rank = comm.world_size() - 1
         sinks = None
         if comm.global_rank() == logging_rank:
@@ -396,12 +401,16 @@ class MegatronLMHooks:
         original = self.originals["train_step"]
         if self.mon is None:
             return original(*args, **kwargs)
-        iteration = self._bind("train_step", args, kwargs)["iteration"]
+        bound = self._signatures["train_step"].bind(*args, **kwargs)
+        bound.apply_defaults()
+        iteration = bound.arguments["iteration"]
         if iteration is None:
             iteration = self.training.get_args().curr_iteration
         step = int(iteration) + 1
+        bound.arguments["forward_step_func"] = self.batch.wrap(
+            bound.arguments["forward_step_func"])
         self.mon.begin_step(step)
-        out = tuple(original(*args, **kwargs))
+        out = tuple(original(*bound.args, **bound.kwargs))
         loss_dict, _, _, should_exit, _, grad_norm = out[:6]
         if should_exit:  # the rerun state machine stopped before the update: nothing to monitor
             return out

@@ -97,7 +97,8 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
 
 def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_context=None):
     model = [model_provider_func()]
-    optimizer = torch.optim.SGD(model[0].parameters(), lr=ARGS.lr)
+    kind = torch.optim.Adam if ARGS.optimizer == "adam" else torch.optim.SGD
+    optimizer = kind(model[0].parameters(), lr=ARGS.lr)
     ARGS.iteration = 0
     tracker = os.path.join(ARGS.load or "", "latest_checkpointed_iteration.txt")
     if ARGS.load and os.path.isfile(tracker):
@@ -116,7 +117,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, opt_param_sch
         return {}, True, True, True, ARGS.rerun_exit_code, None, None, 0
     for group in optimizer.param_groups:
         group["lr"] = ARGS.lr * (ARGS.fault_lr_scale if iteration + 1 >= ARGS.fault_step else 1)
-    loss = forward_step_func(model[0], iteration)
+    output, loss_func = forward_step_func(data_iterator, model[0])
+    total, num_tokens, _ = loss_func(output)
+    loss = total / num_tokens
     optimizer.zero_grad()
     loss.backward()
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model[0].parameters(), float("inf")))
@@ -141,14 +144,23 @@ def checkpoint_and_decide_exit(model, optimizer, opt_param_scheduler, iteration,
     return False
 
 
+def _batches(start):
+    step = start
+    while True:
+        g = torch.Generator().manual_seed(step % 4)
+        yield {"tokens": torch.randint(0, 64, (4, 17), generator=g)}
+        step += 1
+
+
 def train(forward_step_func, model, optimizer, opt_param_scheduler, checkpointing_context):
     iteration = ARGS.iteration
     should_exit, exit_code = False, 0
+    data_iterator = _batches(iteration)
     while iteration < ARGS.train_iters:
         ARGS.curr_iteration = iteration
         (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm,
          num_zeros_in_grad, max_attention_logit) = train_step(
-            forward_step_func, None, model, optimizer, opt_param_scheduler, None, None,
+            forward_step_func, data_iterator, model, optimizer, opt_param_scheduler, None, None,
             iteration=iteration)
         if should_checkpoint:
             save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler, 0.0,
@@ -170,6 +182,7 @@ def pretrain(model_provider, forward_step_func, extra_args_provider=None, **kwar
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--train-iters", type=int, required=True)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     parser.add_argument("--save", default=None)
     parser.add_argument("--load", default=None)
     parser.add_argument("--save-interval", type=int, default=None)
@@ -212,11 +225,14 @@ def model_provider():
     return build_gpt(SPEC, ParallelSpec())
 
 
-def forward_step(model, iteration):
-    g = torch.Generator().manual_seed(iteration % 4)
-    tokens = torch.randint(0, SPEC.vocab_size, (4, SPEC.seq_length + 1), generator=g)
+def loss_func(output):
+    return output.float().sum(), torch.tensor(output.numel()), {}
+
+
+def forward_step(data_iterator, model):
+    tokens = next(data_iterator)["tokens"]
     position_ids = torch.arange(SPEC.seq_length).unsqueeze(0)
-    return model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]).float().mean()
+    return model(tokens[:, :-1], position_ids, None, labels=tokens[:, 1:]), loss_func
 
 
 if __name__ == "__main__":
@@ -484,6 +500,36 @@ def test_under_ft_launcher_an_alarm_exits_0_so_the_job_ends_instead_of_restartin
     assert alarm["exit_code"] == 86 and alarm["action"] == "checkpoint_and_exit"
     assert _saves(events)[-1] == alarm["alarm_step"]
     assert "exiting with code 0 (under ft_launcher, instead of 86" in out
+
+
+def _losses(events: list) -> list[float]:
+    return [kw["loss"] for name, kw in events if name == "step"]
+
+
+def test_the_sharpness_probe_replays_the_steps_micro_batch_and_leaves_training_unchanged(run):
+    """Adam on the stand-in loop: with the optimizer family on, every second step reports
+    eta lambda_max / threshold from the recorded micro-batch; the losses equal, bit for bit, a
+    run with the family off."""
+    results = {}
+    for on in (True, False):
+        cfg = yaml.safe_load(run.config().read_text())
+        cfg["optim"] = {"enabled": on, "interval": 2, "sharpness": {"interval": 2, "tol": 0.0}}
+        cfg["output_dir"] = str(run.tmp / f"out_{on}")
+        path = run.tmp / f"optim_{on}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        code, events, out = run("--train-iters", "8", "--optimizer", "adam", "--lr", "1e-3",
+                                config=path)
+        assert code == 0, out
+        results[on] = (_losses(events), out)
+    assert results[True][0] == results[False][0]
+    assert "needs the training loop's micro-batch" not in results[True][1]
+    rows = [json.loads(line) for line in
+            (run.tmp / "out_True" / "metrics.jsonl").read_text().splitlines()]
+    eos = {r["step"]: r["signals"]["optim/sharpness/eos_ratio"] for r in rows}
+    assert sorted(eos) == [2, 4, 6, 8]
+    assert all(v is not None and 0.0 < v < 10.0 for v in eos.values()), eos
+    iters = [r["signals"]["optim/sharpness/iters"] for r in rows]
+    assert all(i >= 2 for i in iters), iters
 
 
 @pytest.mark.parametrize(("environ", "expected"),

@@ -178,6 +178,9 @@ def test_per_head_metrics_are_the_same_under_tp_1_2_and_4(runs):
                 for name, value in ref.items():
                     if "/head_" not in name or not name.startswith("attn/"):
                         continue
+                    if name.startswith("attn/coherence/"):  # one update: no cosine yet
+                        assert math.isnan(value) and math.isnan(table[name]), name
+                        continue
                     assert math.isfinite(value), name
                     assert table[name] == pytest.approx(value, rel=1e-6, abs=1e-9), (tp, name)
                     checked += 1

@@ -12,12 +12,15 @@ replays them::
     loss = loss_func(output)                                      # call runs the probe forward
 
 ``(sum, num_tokens, logs)`` (core_v0.16.1 and main) becomes ``sum / num_tokens``; ``(loss,
-logs)`` stays ``loss``. Every rank that called ``forward_step_func`` this step has a batch (a
+logs)`` stays ``loss``. The probe's loss is not a training result: while it runs, the rerun
+state machine's ``validate_result`` is a no-op on its instance (it asserts outside the
+forward-backward loop and its spiky-loss check keeps state), then the method is restored. Every rank that called ``forward_step_func`` this step has a batch (a
 rank that pulled nothing replays nothing and receives the broadcast again).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -58,6 +61,24 @@ class _ModelProxy:
         return getattr(self._model, name)
 
 
+@contextlib.contextmanager
+def _unvalidated() -> Iterator[None]:
+    """Megatron's rerun state machine ignores ``validate_result`` calls inside the block."""
+    try:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine = get_rerun_state_machine()
+    except ImportError:
+        machine = None
+    if machine is not None:
+        machine.validate_result = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        if machine is not None:
+            del machine.validate_result
+
+
 class StepBatch:
     """The first micro-batch of the current step, for ``probe_loss`` / ``has_batch``."""
 
@@ -88,9 +109,10 @@ class StepBatch:
         """The loss of the recorded micro-batch with the model's call replaced by ``forward``."""
         if not self.has_batch():
             return None
-        output, loss_func = self.forward_step_func(iter(list(self.items)),
-                                                   _ModelProxy(self.model, forward))
-        result = loss_func(output)
+        with _unvalidated():
+            output, loss_func = self.forward_step_func(iter(list(self.items)),
+                                                       _ModelProxy(self.model, forward))
+            result = loss_func(output)
         if not isinstance(result, tuple):
             return result
         if len(result) >= 3:

@@ -49,10 +49,11 @@ def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Ite
     """Eval mode, own RNG, buffers restored: the probe's forward leaves no trace on training.
 
     Saves and restores every module's ``training`` flag, the CPU and CUDA RNG, each tracker's
-    states and every buffer (e.g. a router's token counts for expert-bias updates).
+    states and every buffer (e.g. a router's token counts for expert-bias updates). Module
+    methods are called unbound: megatron's DDP wrapper shadows ``buffers`` with its grad buffers.
     """
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in torch.nn.Module.modules(model)]
+    buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     saved = [get() for get, _ in trackers]

@@ -303,3 +303,36 @@ def test_distributed_optimizer_fp32_weight_reads_the_optimizers_fp32_main_params
     attn = [v for m in metrics for k, v in m.get("signals", {}).items()
             if k.startswith("attn/delta2/entropy/layer_")]
     assert any(v is not None for v in attn)  # the first monitored step only takes a snapshot
+
+
+def test_the_sharpness_probe_on_the_real_loop_leaves_training_bitwise_unchanged(tmp_path):
+    """The optimizer family with sharpness every 2 iterations on pretrain_gpt.py (Adam, fp32):
+    eta lambda_max / threshold from the replayed micro-batch at 2, 4, 6, and the iteration-6
+    weights equal, bit for bit, those of a run with the family off."""
+    import torch
+
+    weights, eos = {}, {}
+    for on in (True, False):
+        job = Job(tmp_path / f"optim_{on}")
+        job.tmp.mkdir()
+        cfg = {"output_dir": str(job.tmp / "mechmon_out"), "qk": {"enabled": False},
+               "optim": {"enabled": on, "interval": 2,
+                         "sharpness": {"interval": 2, "tol": 0.0}},
+               "actions": {"on_alarm": "log"}, "sinks": {"console": {"enabled": False}}}
+        config = job.tmp / "mechmon.yaml"
+        config.write_text(yaml.safe_dump(cfg))
+        code, out = job.launch(6, "--ckpt-format", "torch", config=config)
+        assert code == 0, out[-4000:]
+        assert "needs the training loop's micro-batch" not in out
+        state = torch.load(job.save / "iter_0000006" / "mp_rank_00" / "model_optim_rng.pt",
+                           map_location="cpu", weights_only=False)
+        weights[on] = state["model"]
+        rows = [json.loads(line) for line in
+                (job.tmp / "mechmon_out" / "metrics.jsonl").read_text().splitlines()]
+        eos[on] = {r["step"]: r["signals"].get("optim/sharpness/eos_ratio") for r in rows}
+    assert sorted(eos[True]) == [2, 4, 6]
+    # Finite and positive (at iteration 2 Adam's v-hat is one squared gradient: ratios >> 1).
+    assert all(v is not None and 0.0 < v < float("inf") for v in eos[True].values()), eos[True]
+    on, off = weights[True], weights[False]
+    tensors = [k for k, v in on.items() if isinstance(v, torch.Tensor)]
+    assert tensors and all(torch.equal(on[k], off[k]) for k in tensors)

@@ -400,6 +400,15 @@ class FamilyDetectorConfig:
     baseline: BaselineConfig | None = None
     """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
     defaults); null: use ``detectors.baseline``."""
+    start_delay: int | None = None
+    """Steps after ``detectors.start_step`` before this family's detectors judge; null: 0, and
+    for ``optim`` the memory of Adam's second moment, ceil(1 / (1 - beta2)) steps, where the
+    integration knows beta2 (the preconditioner must reflect the post-warm-up gradients before
+    the edge-of-stability bound means anything)."""
+
+    def __post_init__(self) -> None:
+        if self.start_delay is not None:
+            require(self.start_delay >= 0, "start_delay", self.start_delay, "an integer >= 0")
 
 
 _ATTN_ENTROPIES = [
@@ -534,7 +543,8 @@ class DetectorsConfig:
     """Monitored samples of each signal forming its baseline."""
     start_step: int = 0
     """Samples at steps before this are ignored (except a non-finite loss); 0: the end of the
-    LR warm-up where the integration knows it (the reference trainer), else from the start."""
+    LR warm-up where the integration knows it (reference trainer, Megatron-LM's
+    ``--lr-warmup-iters``/``--lr-warmup-fraction``), else from the start."""
     compound_window: int = 0
     """Two families whose first onsets lie within this many steps make a ``compound`` fault."""
     baseline: BaselineConfig = field(default_factory=BaselineConfig)

@@ -225,9 +225,8 @@ class DetectorBank:
             fam.direction,
         )
         baseline = Baseline(fam.baseline or self.config.baseline, self.config.warmup_samples)
-        channel = SignalChannel(
-            name, family, self.config.start_step, baseline, direction, fam.robust_z.threshold
-        )
+        channel = SignalChannel(name, family, self.config.start_step + (fam.start_delay or 0),
+                                baseline, direction, fam.robust_z.threshold)
         if fam.robust_z.enabled:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
         if fam.cusum.enabled:

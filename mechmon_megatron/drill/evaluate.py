@@ -46,6 +46,7 @@ from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.attribution import diagnose
 from mechmon_megatron.detect.bank import GRAD_NORM, LOSS
 from mechmon_megatron.detect.detectors import Finding
+from mechmon_megatron.detect.schedule import resolve_schedule
 
 __all__ = [
     "DETECTORS",
@@ -141,14 +142,11 @@ def gap_step(faulty: Mapping[int, float], healthy: Mapping[int, float], start: i
 
 
 def monitor_config(mechmon: Mapping[str, Any] | MechMonConfig,
-                   warmup_steps: int = 0) -> MechMonConfig:
-    """The run's mechmon config with ``detectors.start_step`` resolved as the trainer does (0
-    becomes the LR warm-up's last step)."""
+                   warmup_steps: int = 0, beta2: float | None = None) -> MechMonConfig:
+    """The run's mechmon config with its start resolved as the trainer does
+    (:func:`~mechmon_megatron.detect.schedule.resolve_schedule`)."""
     cfg = load_config(dict(mechmon) if isinstance(mechmon, Mapping) else mechmon)
-    if cfg.detectors.start_step == 0 and warmup_steps > 0:
-        cfg = dataclasses.replace(cfg, detectors=dataclasses.replace(
-            cfg.detectors, start_step=warmup_steps))
-    return cfg
+    return resolve_schedule(cfg, warmup_steps, beta2)
 
 
 def _rearm(bank: DetectorBank) -> None:

@@ -149,7 +149,8 @@ def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
     rows = []
     for run in campaign.runs:
         train, metrics = logs[run.name]
-        config = monitor_config(run.config["mechmon"], campaign.spec.optim.warmup_steps)
+        optim = campaign.spec.optim
+        config = monitor_config(run.config["mechmon"], optim.warmup_steps, optim.beta2)
         start = None if run.scored_healthy else run.fault_start
         healthy = logs[run.healthy][0] if run.healthy else None
         ev = evaluate_run(train, metrics, healthy, start, config)

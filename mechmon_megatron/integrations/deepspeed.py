@@ -62,6 +62,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.deepspeed_optim import BatchCache
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import Sink, build_sinks
@@ -318,6 +319,18 @@ class DeepSpeedMechMon:
         return result
 
 
+def _warmup_steps(engine: Any) -> int:
+    """Warm-up of DeepSpeed's ``WarmupLR``/``WarmupDecayLR``/``WarmupCosineLR``, else 0."""
+    return int(getattr(engine.lr_scheduler, "warmup_num_steps", 0) or 0)
+
+
+def _beta2(engine: Any) -> float | None:
+    """Adam's beta2 from the engine's optimizer param groups, None if it has none."""
+    groups = getattr(engine.optimizer, "param_groups", None) or [{}]
+    betas = groups[0].get("betas")
+    return float(betas[1]) if betas is not None and len(betas) > 1 else None
+
+
 def attach(
     engine: Any,
     config: str | Path | Mapping[str, Any] | MechMonConfig | None = None,
@@ -342,7 +355,8 @@ def attach(
         ValueError: an invalid ``"mechmon"`` block (the message names ``mechmon.<path>``), or a
             model the enabled monitors cannot read.
     """
-    cfg = engine_config(engine, config)
+    cfg = resolve_schedule(engine_config(engine, config), _warmup_steps(engine),
+                           _beta2(engine))
     hooks = DeepSpeedMechMon(engine, cfg, save_dir or os.path.join(cfg.output_dir, "checkpoints"))
     if not cfg.enabled:
         return hooks

@@ -77,6 +77,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
 from mechmon_megatron.integrations.megatron_lm_probe import StepBatch
 from mechmon_megatron.monitor import MechMon
@@ -265,6 +266,20 @@ class MegatronLMActions:
         self.exit_code = int(exit_code)
 
 
+def _warmup_iterations(scheduler: Any, margs: Any) -> int:
+    """LR warm-up length in iterations: the scheduler's ``lr_warmup_steps`` counts samples
+    (``--lr-warmup-iters`` x global batch, ``--lr-warmup-samples`` or the fraction's share)."""
+    samples = getattr(scheduler, "lr_warmup_steps", 0) or 0
+    return int(samples) // max(1, int(getattr(margs, "global_batch_size", 1) or 1))
+
+
+def _adam_beta2(margs: Any) -> float | None:
+    """``--adam-beta2`` when the optimizer is Adam, else None."""
+    if str(getattr(margs, "optimizer", "adam")).startswith("adam"):
+        return getattr(margs, "adam_beta2", None)
+    return None
+
+
 # ----------------------------------------------------------------------------------------------
 # Hooks
 # ----------------------------------------------------------------------------------------------
@@ -317,10 +332,12 @@ class MegatronLMHooks:
 
     def _setup_model_and_optimizer(self, *args: Any, **kwargs: Any) -> Any:
         result = self.originals["setup_model_and_optimizer"](*args, **kwargs)
-        model, optimizer, _ = result
+        model, optimizer, scheduler = result
         margs = self.training.get_args()
         if not self.config.enabled or optimizer is None:
             return result
+        self.config = resolve_schedule(self.config, _warmup_iterations(scheduler, margs),
+                                       _adam_beta2(margs))
         from mechmon_megatron.integrations.megatron_core import build_monitors
 
         chunks = model if isinstance(model, list) else [model]

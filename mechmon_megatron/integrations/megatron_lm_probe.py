@@ -12,10 +12,12 @@ replays them::
     loss = loss_func(output)                                      # call runs the probe forward
 
 ``(sum, num_tokens, logs)`` (core_v0.16.1 and main) becomes ``sum / num_tokens``; ``(loss,
-logs)`` stays ``loss``. The probe's loss is not a training result: while it runs, the rerun
-state machine's ``validate_result`` is a no-op on its instance (it asserts outside the
-forward-backward loop and its spiky-loss check keeps state), then the method is restored. Every rank that called ``forward_step_func`` this step has a batch (a
+logs)`` stays ``loss``. Every rank that called ``forward_step_func`` this step has a batch (a
 rank that pulled nothing replays nothing and receives the broadcast again).
+
+The probe's loss is not a training result: while it runs, the rerun state machine's
+``validate_result`` is a no-op on its instance (it asserts outside the forward-backward loop and
+its spiky-loss check keeps state), then the method is restored.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ import yaml
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.config import MechMonConfig, load_config, overlay, require
+from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.faults.config import FaultConfig
 from mechmon_megatron.train.data import DataConfig, TextData
 from mechmon_megatron.train.model import ModelSpec, ParallelSpec
@@ -364,11 +365,8 @@ class _Trainer:
         self.mon = None
         self.probe_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if cfg.mechmon.enabled:
-            mech = dataclasses.replace(cfg.mechmon, output_dir=cfg.out_dir)
-            if mech.detectors.start_step == 0 and cfg.optim.warmup_steps > 0:
-                # Baselines form on the trained-at-full-LR regime, not on the warm-up ramp.
-                mech = dataclasses.replace(mech, detectors=dataclasses.replace(
-                    mech.detectors, start_step=cfg.optim.warmup_steps))
+            mech = resolve_schedule(dataclasses.replace(cfg.mechmon, output_dir=cfg.out_dir),
+                                    cfg.optim.warmup_steps, cfg.optim.beta2)
             self.mon = attach(mech, [self.model], self.optimizer, actions=self,
                               probe_loss=self._probe_loss,
                               has_batch=lambda: self.probe_batch is not None)

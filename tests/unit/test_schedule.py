@@ -1,0 +1,44 @@
+"""Detection start: the LR warm-up for every family, plus Adam's second-moment memory for optim."""
+
+from __future__ import annotations
+
+import pytest
+
+from mechmon_megatron.config import load_config
+from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.detect.schedule import resolve_schedule, second_moment_memory
+
+EOS = "optim/sharpness/eos_ratio"
+ENTROPY = "attn/delta2/entropy/layer_1/min"
+
+
+@pytest.mark.parametrize("beta2, steps", [(0.95, 20), (0.999, 1000), (0.9, 10), (0.0, 1),
+                                          (None, 0), (1.0, 0)])
+def test_second_moment_memory_is_the_ema_time_constant(beta2, steps):
+    assert second_moment_memory(beta2) == steps
+
+
+def test_resolution_fills_only_what_the_user_left_automatic():
+    cfg = resolve_schedule(load_config({}), warmup_steps=500, beta2=0.95)
+    assert cfg.detectors.start_step == 500 and cfg.detectors.optim.start_delay == 20
+    assert cfg.detectors.attn.start_delay is None
+    mine = load_config({"detectors": {"start_step": 7, "optim": {"start_delay": 3}}})
+    kept = resolve_schedule(mine, warmup_steps=500, beta2=0.95)
+    assert kept.detectors.start_step == 7 and kept.detectors.optim.start_delay == 3
+
+
+def test_a_negative_delay_is_refused_with_its_path():
+    with pytest.raises(ValueError, match="optim.start_delay"):
+        load_config({"detectors": {"optim": {"start_delay": -1}}})
+
+
+def test_the_eos_bound_judges_only_after_the_delay_other_families_from_start_step():
+    cfg = resolve_schedule(load_config({}), warmup_steps=20, beta2=0.95)
+    bank = DetectorBank(cfg, [EOS, ENTROPY])
+    assert bank.channels[EOS].start_step == 40 and bank.channels[ENTROPY].start_step == 20
+    # The end-of-warm-up overshoot (two estimates above 1 before step 40) is not judged ...
+    for step, value in ((20, 8.5), (30, 1.7)):
+        assert not [f for f in bank.update(step, {EOS: value}) if f.alarm]
+    # ... a run that stays past the edge after it is.
+    alarms = [f for step in (40, 50) for f in bank.update(step, {EOS: 1.5}) if f.alarm]
+    assert [(f.signal, f.detector, f.step) for f in alarms] == [(EOS, "bounds", 50)]

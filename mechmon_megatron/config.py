@@ -543,8 +543,8 @@ class DetectorsConfig:
     """Monitored samples of each signal forming its baseline."""
     start_step: int = 0
     """Samples at steps before this are ignored (except a non-finite loss); 0: the end of the
-    LR warm-up where the integration knows it (reference trainer, Megatron-LM's
-    ``--lr-warmup-iters``/``--lr-warmup-fraction``), else from the start."""
+    LR warm-up where the integration knows it (reference trainer, Megatron-LM's warm-up flags,
+    DeepSpeed's ``Warmup*`` schedulers), else from the start."""
     compound_window: int = 0
     """Two families whose first onsets lie within this many steps make a ``compound`` fault."""
     baseline: BaselineConfig = field(default_factory=BaselineConfig)

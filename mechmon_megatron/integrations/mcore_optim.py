@@ -88,6 +88,13 @@ def _main_params(optimizer: Any) -> tuple[Any, dict[int, torch.Tensor]]:
     return inner, mapping
 
 
+def sharded_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> bool:
+    """Whether Adam's state is DP-sharded (megatron's DistributedOptimizer)."""
+    chain = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return any(type(o).__name__ == "DistributedOptimizer" for o in chain) or any(
+        getattr(p, "main_param_sharded", False) for p in params)
+
+
 def adam_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> AdamState | None:
     """Adam's ``sqrt(v_hat) + eps``, group LRs, beta1 and first moments for ``params``; None
     until every parameter has optimizer state.
@@ -97,7 +104,7 @@ def adam_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> AdamStat
             holds the state DP-sharded (DistributedOptimizer: not supported by the probe).
     """
     inner, mapping = _main_params(optimizer)
-    if any(getattr(p, "main_param_sharded", False) for p in params):
+    if sharded_state(optimizer, params):
         raise ValueError("optim.sharpness: DistributedOptimizer keeps Adam's state DP-sharded; "
                          "the probe needs it per parameter (set optim.sharpness.enabled: false)")
     group_of = {id(p): g for g in inner.param_groups for p in g["params"]}
@@ -136,7 +143,8 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
                  probe_loss: ProbeLoss | None = None, has_batch: Callable[[], bool] | None = None,
                  ) -> OptimSource:
     """This rank's :class:`OptimSource`; a probe when ``probe_loss`` is given, the model is one
-    chunk (no pipeline parallelism) and an optimizer is attached."""
+    chunk (no pipeline parallelism) and an optimizer keeping Adam's state per parameter (not
+    the DistributedOptimizer) is attached."""
     from megatron.core import parallel_state as ps
 
     entries, tensors, names = [], [], []
@@ -153,7 +161,8 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
 
     probe = None
     single = len(model_chunks) == 1 and ps.get_pipeline_model_parallel_world_size() == 1
-    if probe_loss is not None and optimizer is not None and single:
+    if probe_loss is not None and optimizer is not None and single and not sharded_state(
+            optimizer, tensors):
         model = model_chunks[0]
 
         def loss(override: Mapping[str, torch.Tensor]) -> torch.Tensor | None:

@@ -99,7 +99,8 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         source = optim_source(model_chunks, optimizer, probe_loss, has_batch)
         if config.optim.sharpness.enabled and source.probe is None:
             warnings.warn("mechmon: optim.sharpness needs the training loop's micro-batch "
-                          "(probe_loss), an optimizer and one model chunk without pipeline "
+                          "(probe_loss), an optimizer keeping Adam's state per parameter (not "
+                          "the distributed optimizer) and one model chunk without pipeline "
                           "parallelism; reporting update ratios only", RuntimeWarning,
                           stacklevel=2)
         monitors.append(OptimMonitor(config.optim, source, optim_holders(source)))

@@ -289,6 +289,7 @@ def test_distributed_optimizer_fp32_weight_reads_the_optimizers_fp32_main_params
     target[target.index("--global-batch-size") + 1] = "4"
     code, out = job.torchrun(2, target, FP32_OUT=str(fp32_out))
     assert code == 0, out[-4000:]
+    assert "(not the distributed optimizer)" in out  # no sharpness probe, said once per rank
     for rank in (0, 1):
         rows = json.loads((fp32_out / f"rank{rank}.json").read_text())
         assert len(rows) == 2  # one fused QKV weight per layer

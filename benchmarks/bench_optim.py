@@ -40,7 +40,7 @@ def _config(out: str, steps: int, layers: int, width: int, optim_on: bool) -> di
     return {"out_dir": out, "steps": steps, "log_interval": 0,
             "model": {"num_layers": layers, "hidden_size": width,
                       "num_attention_heads": max(1, width // 16), "seq_length": 64},
-            "data": {"global_batch_size": 16},
+            "data": {"global_batch_size": 16, "max_bytes": 2_000_000},
             "checkpoint": {"save_interval": 0, "save_at_end": False},
             "mechmon": mechmon}
 

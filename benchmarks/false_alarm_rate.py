@@ -18,6 +18,14 @@ Noise models (unit scale, location 5, so the relative scale floor does not bind)
 
 Usage: ``python benchmarks/false_alarm_rate.py [--samples N] [--runs R]``.
 
+Whole monitor (``--layers 2,24,80``): every signal the shipped defaults watch on a dense model of
+L layers (attention entropies judged against their peers, coherence, update ratios of every
+group and layer, the sharpness ratio, loss and grad norm; router signals with ``--moe``) is fed
+its own independent noise series at once, through one :class:`DetectorBank` at the default
+monitor interval (100 steps); the budget (``false_alarms_per_10k_steps``, 0.01) sets the
+thresholds from the number of watched signals, so the rate per 10k *training steps* should stay
+near it whatever L. The sharpness ratio is 0.4 + 0.1 e_t (a healthy ratio; its bound is 1).
+
 Measured at the defaults (robust_z 5.0, k 3 of n 4; cusum drift 1.5, h 12; 20 warm-up samples),
 10 runs x 100,000 samples per cell, false alarms per 10,000 monitored samples (count):
 
@@ -120,13 +128,75 @@ def false_alarms(
     return alarms, observed
 
 
+GROUPS = ("qkv", "attn_out", "mlp", "norm")
+"""Layered weight groups of a dense megatron-core GPT (update ratios)."""
+
+
+def monitor_names(layers: int, moe: bool = False) -> list[str]:
+    """The default-watched signal names of an L-layer model (what the bank expands patterns to)."""
+    names = ["global/loss", "global/grad_norm", "optim/sharpness/eos_ratio",
+             "optim/update_ratio/all", "optim/update_ratio/embedding"]
+    names += [f"optim/update_ratio/{g}" for g in GROUPS]
+    for layer in range(1, layers + 1):
+        names += [f"attn/delta2/entropy/layer_{layer}/min",
+                  f"attn/layer_delta2/entropy/layer_{layer}",
+                  f"attn/dwq/entropy/layer_{layer}/min", f"attn/dwk/entropy/layer_{layer}/min",
+                  f"attn/coherence/cos/layer_{layer}/max"]
+        names += [f"optim/update_ratio/{g}/layer_{layer}" for g in GROUPS]
+        if moe:
+            names += [f"router/{s}/layer_{layer}" for s in ("entropy_mean", "weight_cosine",
+                                                            "maxvio")]
+    return names
+
+
+def whole_monitor(config: MechMonConfig, layers: int, noise: str, samples: int,
+                  interval: int = 100, moe: bool = False, seed: int = 0) -> tuple[int, int, int]:
+    """Alarms of the whole default monitor on independent noise in every signal.
+
+    Returns:
+        (alarms, training steps after warm-up, watched signals).
+    """
+    names = monitor_names(layers, moe)
+    bank = DetectorBank(config.detectors, names, {f: interval for f in
+                                                  ("attn", "router", "optim", "fp8", "global")})
+    rng = random.Random(f"{seed}/{noise}/{layers}")
+    series = {n: NOISES[noise](rng) for n in names}
+    warmup = config.detectors.warmup_samples
+    alarms = since_reset = observed = 0
+    for sample in range(samples):
+        since_reset += 1
+        observed += since_reset > warmup
+        table = {n: next(x) for n, x in series.items()}
+        table["optim/sharpness/eos_ratio"] = 0.4 + 0.02 * (table["optim/sharpness/eos_ratio"] - 5)
+        if any(f.alarm for f in bank.update((sample + 1) * interval, table)):
+            alarms += 1
+            bank.reset()
+            since_reset = 0
+    return alarms, observed * interval, len(bank.channels)
+
+
 def main() -> None:
     """Print the false-alarm table at the default settings (comparison rules off: they only log)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--layers", default="", help="whole monitor at these depths, e.g. 2,24,80")
+    parser.add_argument("--moe", action="store_true", help="whole monitor: add router signals")
     args = parser.parse_args()
     config = load_config({"detectors": {"baselines": {k: {"enabled": False} for k in COMPARISONS}}})
+    if args.layers:
+        print(f"whole monitor, {args.samples} samples at interval 100; false alarms per 10k "
+              "training steps (count), watched signals")
+        print("| layers | signals | gaussian | ar1_0.5 | student3 |")
+        print("| ---: | ---: | ---: | ---: | ---: |")
+        for layers in (int(x) for x in args.layers.split(",")):
+            cells = []
+            for noise in ("gaussian", "ar1_0.5", "student3"):
+                alarms, steps, watched = whole_monitor(config, layers, noise, args.samples,
+                                                       moe=args.moe)
+                cells.append(f"{1e4 * alarms / steps:.4f} ({alarms})")
+            print(f"| {layers} | {watched} | {' | '.join(cells)} |", flush=True)
+        return
     print(
         f"{args.runs} runs x {args.samples} samples per cell; "
         "false alarms per 10k monitored samples (count)"

@@ -5,20 +5,9 @@ The plan lists, per layer, the tensors to read: the Q/K tensors of the attention
 update ratios) every other model tensor, with its weight group. Every later checkpoint must hold
 the same tensors with the same shapes; :func:`check_shapes` names the first difference.
 
-Weight groups (update ratios ``optim/update_ratio/<group>/layer_<L>``):
-
-| group     | names containing                                                          |
-| --------- | ------------------------------------------------------------------------- |
-| norm      | ``layernorm``, ``layer_norm``, ``_norm``, ``norm.``, ``ln_``              |
-| router    | ``mlp.router.``, ``gate.wg.``, ``mlp.gate.``, ``block_sparse_moe.gate.``  |
-| qkv       | ``linear_qkv``, ``query_key_value``, ``q_proj``, ``k_proj``, ``v_proj``   |
-| attn_out  | ``self_attention.linear_proj``, ``o_proj``, ``out_proj``, ``attn.c_proj`` |
-| mlp       | ``.mlp.``, ``experts``                                                    |
-| embedding | ``embedding``, ``embed_tokens``, ``wte``, ``wpe``                         |
-| output    | ``output_layer``, ``lm_head``                                             |
-| other     | anything else                                                             |
-
-(first match wins, in this order, so ``linear_qkv.layer_norm_weight`` is a norm).
+Weight groups (update ratios ``optim/update_ratio/<group>/layer_<L>``) are the live optimizer
+monitor's (:func:`mechmon_megatron.layouts.param_groups.param_group`), so a scan and the live
+monitor put every tensor in the same group.
 """
 
 from __future__ import annotations
@@ -28,29 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from mechmon_megatron.layouts.param_groups import param_group as weight_group
 from mechmon_megatron.scan.errors import ScanError
 from mechmon_megatron.scan.model_spec import ScanModel
 from mechmon_megatron.scan.qk_rows import AttentionTensors, find_attention, layer_of, qk_names
 
-__all__ = ["ScanPlan", "build_plan", "check_shapes", "weight_group", "GROUPS"]
+__all__ = ["ScanPlan", "build_plan", "check_shapes", "weight_group"]
 
-GROUPS = ("qkv", "attn_out", "router", "mlp", "norm", "embedding", "output", "other")
-_RULES = (
-    ("norm", re.compile(r"(layernorm|layer_norm|_norm\b|\bnorm\.|\bln_|\.ln\d)")),
-    ("router", re.compile(r"(mlp\.router\.|\.gate\.wg\.|mlp\.gate\.|block_sparse_moe\.gate\.)")),
-    ("qkv", re.compile(r"(linear_qkv|query_key_value|q_proj|k_proj|v_proj|qkv_proj|c_attn)")),
-    ("attn_out", re.compile(r"(self_attention\.linear_proj|o_proj|attn\.c_proj|out_proj)")),
-    ("mlp", re.compile(r"(\.mlp\.|experts|\.ffn\.|feed_forward)")),
-    ("embedding", re.compile(r"(embedding|embed_tokens|\bwte\b|\bwpe\b)")),
-    ("output", re.compile(r"(output_layer|lm_head)")),
-)
 _ROUTER = re.compile(r"^(.*(?:mlp\.router|\.gate\.wg|mlp\.gate|block_sparse_moe\.gate))\.weight$")
-
-
-def weight_group(name: str) -> str:
-    """Weight group of a tensor name (see the module table)."""
-    lowered = name.lower()
-    return next((g for g, pattern in _RULES if pattern.search(lowered)), "other")
 
 
 @dataclass

@@ -41,6 +41,18 @@ its own independent noise series at once, through one :class:`DetectorBank` at t
 monitor interval (100 steps); the budget (``false_alarms_per_10k_steps``, 0.01) sets the
 thresholds from the number of watched signals, so the rate per 10k *training steps* should stay
 near it whatever L. The sharpness ratio is 0.4 + 0.02 e_t (a healthy ratio; its bound is 1).
+
+Measured (``--layers 2,24,80 --samples 2000``: 200k training steps per cell), false alarms per
+10k training steps (count):
+
+| layers | watched | gaussian   | ar1_0.5    | student3   |
+| -----: | ------: | ---------: | ---------: | ---------: |
+| 2      | 19      | 0.000 (0)  | 0.051 (1)  | 0.000 (0)  |
+| 24     | 129     | 0.000 (0)  | 0.051 (1)  | 0.000 (0)  |
+| 80     | 409     | 0.000 (0)  | 2.26 (31)  | 0.051 (1)  |
+
+The budget holds for independent samples at every depth, not for autocorrelated ones: CUSUM
+and the k-of-n persistence assume independence (no long-run-variance correction yet).
 """
 
 from __future__ import annotations

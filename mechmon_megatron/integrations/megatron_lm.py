@@ -296,6 +296,8 @@ class MegatronLMHooks:
         """The attached ``MechMon`` (None until the model and optimizer exist)."""
         self.batch = StepBatch()
         """Each step's first micro-batch, replayed by the sharpness probe."""
+        self.record_batch = False
+        """Whether a sharpness probe exists (otherwise ``forward_step_func`` is left as is)."""
         self.originals: dict[str, Callable[..., Any]] = {}
         self._signatures: dict[str, inspect.Signature] = {}
 
@@ -343,6 +345,7 @@ class MegatronLMHooks:
         chunks = model if isinstance(model, list) else [model]
         monitors = build_monitors(self.config, chunks, optimizer,
                                   probe_loss=self.batch.probe_loss, has_batch=self.batch.has_batch)
+        self.record_batch = any(getattr(m, "estimator", None) is not None for m in monitors)
         logging_rank = comm.world_size() - 1
         sinks = None
         if comm.global_rank() == logging_rank:
@@ -424,8 +427,9 @@ class MegatronLMHooks:
         if iteration is None:
             iteration = self.training.get_args().curr_iteration
         step = int(iteration) + 1
-        bound.arguments["forward_step_func"] = self.batch.wrap(
-            bound.arguments["forward_step_func"])
+        if self.record_batch:
+            bound.arguments["forward_step_func"] = self.batch.wrap(
+                bound.arguments["forward_step_func"])
         self.mon.begin_step(step)
         out = tuple(original(*bound.args, **bound.kwargs))
         loss_dict, _, _, should_exit, _, grad_norm = out[:6]

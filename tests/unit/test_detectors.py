@@ -248,3 +248,17 @@ def test_baseline_methods_estimate_location_and_scale():
         ewma.observe(v)
     assert (mad.location, mad.scale) == (11.0, pytest.approx(1.4826 * 5))
     assert ewma.location == 11.0 and ewma.scale == pytest.approx(6.2048368)
+
+
+def test_bounds_on_a_peer_signal_judge_the_raw_value_not_the_peer_departure():
+    """Two layers at the same entropy: peer departures are 0, below a floor of 0.5 nats, yet the
+    raw values (3 nats) are far above it; only a raw value under the floor fires."""
+    names = ["attn/dwq/entropy/layer_1/min", "attn/dwq/entropy/layer_2/min"]
+    cfg = load_config({"detectors": {"warmup_samples": 3, "attn": {
+        "signals": ["attn/dwq/entropy/layer_*/min"], "peer_signals": ["attn/dwq/**"],
+        "bounds": {"min": 0.5}, "robust_z": {"enabled": False}, "cusum": {"enabled": False}}}})
+    bank = DetectorBank(cfg, names)
+    for step in range(1, 6):
+        assert not bank.update(step, {names[0]: 3.0, names[1]: 3.0})
+    found = bank.update(6, {names[0]: 0.3, names[1]: 3.0})
+    assert [(f.signal, f.detector, f.value) for f in found] == [(names[0], "bounds", 0.3)]

@@ -54,6 +54,9 @@ EXPECTED_CLASS = {"attention": "attention", "fp8_attention": "attention", "lr": 
 KIND_FAMILY = {"attention": "attn", "fp8_attention": "attn", "lr": "optim", "router": "router"}
 """Signal family of each elementary fault kind."""
 
+_OFFLINE_KEYS = ("detectors", "sinks")
+"""mechmon sections that change no logged value of a drill run (see :meth:`DrillRun.key`)."""
+
 
 @dataclass(frozen=True)
 class DrillRun:
@@ -86,9 +89,15 @@ class DrillRun:
         return self.fault_start is None or self.control
 
     def key(self) -> str:
-        """sha256 of the canonical JSON of the trainer config: a finished run is reused only
-        when its key matches (a changed campaign or mechmon config retrains)."""
-        text = json.dumps(self.config, sort_keys=True, separators=(",", ":"))
+        """sha256 of the canonical JSON of what shapes the run's logs: the trainer config less
+        ``mechmon.detectors`` and ``mechmon.sinks``. A finished run is reused only when its key
+        matches (a changed campaign or monitor config retrains); the drill replays every
+        detector offline and its runs log past an alarm, so a changed detector setting
+        re-scores the logs without retraining."""
+        mechmon = {k: v for k, v in self.config.get("mechmon", {}).items()
+                   if k not in _OFFLINE_KEYS}
+        text = json.dumps(dict(self.config, mechmon=mechmon), sort_keys=True,
+                          separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -14,7 +14,9 @@ Patterns: ``*`` matches within one path component, ``**`` across components, ``?
 Per signal, each sample goes through: non-finite -> counted and skipped (a non-finite loss is a
 ``nonfinite`` finding); step < ``start_step`` -> ignored; otherwise every detector sees it, then
 the baseline takes it (a warm-up sample; or, when tracked, a sample that is non-alarming: oriented
-z within the robust-z threshold and no detector latched).
+z within the robust-z threshold and no detector latched). Whenever a baseline forms, the
+long-run-variance factor of its kind (the same name in every layer) is pooled anew from the
+kind's formed baselines (detect/budget.py) and given to each of them.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mechmon_megatron.detect.attribution import Diagnosis, diagnose
 from mechmon_megatron.detect.baseline import Baseline
 from mechmon_megatron.detect.budget import (
     cusum_threshold,
+    long_run_factor,
     per_sample_probability,
     robust_z_threshold,
 )
@@ -44,7 +47,7 @@ from mechmon_megatron.detect.detectors import (
     ZSpike,
     orient,
 )
-from mechmon_megatron.detect.peers import PeerGroups
+from mechmon_megatron.detect.peers import LAYER, PeerGroups
 
 __all__ = ["DetectorBank", "SignalChannel", "compile_pattern"]
 
@@ -203,6 +206,12 @@ class DetectorBank:
                 label = "loss_z" if name == LOSS else "grad_norm_z"
                 self._channel(name).detectors.append(ZSpike(label, name, "global", spec))
         self.channels = dict(sorted(self.channels.items()))
+        self.kinds: dict[str, list[Baseline]] = {}
+        for name, channel in self.channels.items():
+            if channel.baseline is not None:
+                kind = LAYER.sub("layer_*", name, count=1)
+                self.kinds.setdefault(kind, []).append(channel.baseline)
+        self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming: list[Finding] = []
 
     def _resolved(self, fam: FamilyDetectorConfig, family: str,
@@ -266,7 +275,20 @@ class DetectorBank:
                 raw = float(signals[name])
                 findings.extend(channel.update(step, float(relative.get(name, raw)), raw))
         self.alarming.extend(f for f in findings if f.alarm)
+        self._pool_long_run()
         return findings
+
+    def _pool_long_run(self) -> None:
+        """Give every formed baseline its kind's pooled long-run factor (when the kind's set
+        of formed baselines changed)."""
+        for kind, baselines in self.kinds.items():
+            formed = [b for b in baselines if b.ready]
+            if len(formed) == self._pooled[kind]:
+                continue
+            f = long_run_factor([b.rho_hat for b in formed], self.config.warmup_samples)
+            for b in formed:
+                b.long_run = f
+            self._pooled[kind] = len(formed)
 
     def diagnosis(self) -> Diagnosis | None:
         """Diagnosis of every alarming finding since the last reset; None while there is none."""
@@ -282,6 +304,7 @@ class DetectorBank:
         """Re-arm every detector on fresh baselines (after an acknowledged alarm)."""
         for channel in self.channels.values():
             channel.reset()
+        self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming = []
 
     def state_dict(self) -> dict[str, Any]:
@@ -297,4 +320,5 @@ class DetectorBank:
         for name, channel in self.channels.items():
             if name in sd["channels"]:
                 channel.load_state_dict(sd["channels"][name])
+        self._pooled = {kind: sum(b.ready for b in bs) for kind, bs in self.kinds.items()}
         self.alarming = [Finding(**f) for f in sd["alarming"]]

@@ -16,6 +16,10 @@ non-alarming, at rate r:
     scale    += r * (sqrt(pi / 2) * |x - location_old| - scale)
 
 sqrt(pi / 2) * E|x - mu| = sigma for a Gaussian, so the scale stays a standard-deviation unit.
+
+``rho_hat`` is the warm-up window's lag-1 autocorrelation; the bank pools it over the signal's
+kind into ``long_run``, ``f = (1 + rho) / (1 - rho)`` (detect/budget.py), by which CUSUM
+standardises so that autocorrelated healthy samples keep the false-alarm budget.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 from typing import Any
 
 from mechmon_megatron.config import BaselineConfig
+from mechmon_megatron.detect.budget import lag1_autocorrelation
 
 __all__ = ["Baseline", "MAD_TO_SIGMA"]
 
@@ -50,6 +55,8 @@ class Baseline:
         self.window: list[float] = []
         self.location = math.nan
         self.scale = math.nan
+        self.rho_hat = math.nan
+        self.long_run = 1.0
 
     @property
     def ready(self) -> bool:
@@ -68,6 +75,7 @@ class Baseline:
         else:
             loc, scale = statistics.fmean(self.window), statistics.stdev(self.window)
         self.location, self.scale = loc, self._floor(scale, loc)
+        self.rho_hat = lag1_autocorrelation(self.window)
         self.window = []
 
     def track(self, value: float) -> None:
@@ -88,9 +96,12 @@ class Baseline:
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state."""
-        return {"window": list(self.window), "location": self.location, "scale": self.scale}
+        return {"window": list(self.window), "location": self.location, "scale": self.scale,
+                "rho_hat": self.rho_hat, "long_run": self.long_run}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly."""
         self.window = [float(v) for v in sd["window"]]
         self.location, self.scale = float(sd["location"]), float(sd["scale"])
+        self.rho_hat = float(sd.get("rho_hat", math.nan))
+        self.long_run = float(sd.get("long_run", 1.0))

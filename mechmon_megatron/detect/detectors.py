@@ -11,14 +11,15 @@ until it has formed; ``direction`` orients z so that positive means "toward the 
 | detector     | rule                                                         | score        |
 | ------------ | ------------------------------------------------------------ | ------------ |
 | robust_z     | s > threshold on k of the last n samples                      | s            |
-| cusum        | S = max(0, S + clip(s, +-h/2) - drift) > h                     | S            |
+| cusum        | S = max(0, S + clip(s / sqrt(f), +-h/2) - drift) > h           | S            |
 | bounds       | x < min or x > max on k of the last n samples                | distance out |
 | loss_spike   | Megatron: |x| >= factor * max |x| of the first num_samples     | |x| / max    |
 | loss_z       | (x - mean) / std over the previous window > threshold         | z            |
 | grad_norm_z  | same rule on the grad norm                                   | z            |
 | nonfinite    | x is NaN or +-inf (the loss, once seen finite)               | inf          |
 
-Onset step: robust_z, the first exceeding sample of the k; cusum, the sample at which S last
+``f`` is the baseline's long-run-variance factor (1 for independent samples, see
+detect/budget.py). Onset step: robust_z, the first exceeding sample of the k; cusum, the sample at which S last
 left zero (the change-point estimate); the others, the finding's own step.
 """
 
@@ -197,7 +198,7 @@ class Cusum(Detector):
     def _update(self, step: int, value: float) -> Finding | None:
         if not self.baseline.ready:
             return None
-        z, h = self.baseline.z(value), self.config.threshold
+        z, h = self.baseline.z(value) / math.sqrt(self.baseline.long_run), self.config.threshold
         fired = None
         for side in self.sides:
             s = min(max(orient(z, side), -h / 2), h / 2)

@@ -23,9 +23,10 @@ import re
 import statistics
 from collections.abc import Iterable, Mapping
 
-__all__ = ["PeerGroups"]
+__all__ = ["PeerGroups", "LAYER"]
 
-_LAYER = re.compile(r"layer_\d+")
+LAYER = re.compile(r"layer_\d+")
+"""The layer component of a signal name."""
 
 
 class PeerGroups:
@@ -38,7 +39,7 @@ class PeerGroups:
     def __init__(self, names: Iterable[str]) -> None:
         groups: dict[str, list[str]] = {}
         for name in sorted(set(names)):
-            groups.setdefault(_LAYER.sub("layer_*", name, count=1), []).append(name)
+            groups.setdefault(LAYER.sub("layer_*", name, count=1), []).append(name)
         self.groups = {k: v for k, v in groups.items() if len(v) > 1}
 
     def __contains__(self, name: str) -> bool:

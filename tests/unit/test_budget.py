@@ -3,7 +3,9 @@ number of watched signals and the interval, and the bank resolving null threshol
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
 
 import pytest
 
@@ -11,7 +13,10 @@ from mechmon_megatron.config import load_config
 from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.budget import (
     LAPLACE_SCALE,
+    MAX_AUTOCORRELATION,
     cusum_threshold,
+    lag1_autocorrelation,
+    long_run_factor,
     per_sample_probability,
     robust_z_threshold,
 )
@@ -39,6 +44,71 @@ def test_cusum_threshold_meets_the_run_length_and_its_floor():
     x = 2 * 0.5 * (h + 1.166)
     assert (math.expm1(x) - x) / (2 * 0.25) == pytest.approx(1e6, rel=1e-6)
     assert cusum_threshold(0.1, 1.5) == 6.0
+
+
+def _ar1(phi: float, m: int, rng: random.Random) -> list[float]:
+    x, out = 0.0, []
+    for _ in range(m):
+        x = phi * x + math.sqrt(1 - phi * phi) * rng.gauss(0, 1)
+        out.append(5.0 + x)
+    return out
+
+
+@pytest.mark.parametrize("phi", [0.0, 0.3, 0.6, 0.8])
+def test_the_pooled_long_run_factor_recovers_an_ar1_correlation_through_a_trend(phi: float):
+    """80 layers' 20-sample windows (trend removed) pooled: the AR(1) factor within one
+    standard error, never below 1; a single window gets credit only when clearly correlated."""
+    rng = random.Random(7)
+    windows = [[x + 0.05 * t for t, x in enumerate(_ar1(phi, 20, rng))] for _ in range(80)]
+    f = long_run_factor([lag1_autocorrelation(w) for w in windows], 20)
+    rho = (f - 1) / (f + 1)
+    assert f >= 1.0 and rho == pytest.approx(phi, abs=0.12)
+    singles = [long_run_factor([lag1_autocorrelation(w)], 20) for w in windows]
+    if phi == 0.0:
+        assert sorted(singles)[72] == 1.0  # 90% of independent signals get no credit
+
+
+def test_long_run_factor_is_one_without_an_estimate_and_capped():
+    assert math.isnan(lag1_autocorrelation([1.0] * 20))
+    assert math.isnan(lag1_autocorrelation([1.0, 2.0, 3.0] * 3))
+    assert long_run_factor([math.nan], 20) == 1.0 == long_run_factor([], 20)
+    smooth = [math.sin(t / 10.0) for t in range(20)]
+    cap = (1 + MAX_AUTOCORRELATION) / (1 - MAX_AUTOCORRELATION)
+    assert long_run_factor([lag1_autocorrelation(smooth)] * 4, 20) == pytest.approx(cap)
+
+
+def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_state():
+    """Ten layers whose warm-up windows are slow (runs of 4 samples: rho > 0) share a long-run
+    factor > 2: the same persistent 2.4-scale shift that fires the CUSUM of independent noise
+    (f = 1) within 7 samples leaves theirs silent; the factor survives a state round trip."""
+    cfg = load_config({"detectors": {"attn": {"robust_z": {"enabled": False}, "peer_signals": [],
+                                              "cusum": {"threshold": 6.0}}}})
+    names = [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, 11)]
+
+    def run(warm: list[list[float]]) -> tuple[list[int], DetectorBank]:
+        bank = DetectorBank(cfg, names)
+        for t in range(20):
+            bank.update(t, {n: w[t] for n, w in zip(names, warm)})
+        fired = []
+        for t in range(20, 30):
+            table = {}
+            for n in names:
+                b = bank.channels[n].baseline
+                table[n] = b.location - 2.4 * b.scale  # entropies alarm downward
+            fired += [t for f in bank.update(t, table) if f.detector == "cusum"]
+        return fired, bank
+
+    rng = random.Random(3)
+    independent = [[5.0 + rng.gauss(0, 1) for _ in range(20)] for _ in names]
+    fired, bank = run(independent)
+    assert bank.channels[names[0]].baseline.long_run == 1.0 and set(fired) == {26}
+    slow = [[5.0 + (1 if (t + i) // 4 % 2 else -1) + 0.1 * rng.gauss(0, 1) for t in range(20)]
+            for i in range(10)]
+    fired, bank = run(slow)
+    assert bank.channels[names[0]].baseline.long_run > 2.0 and fired == []
+    restored = DetectorBank(cfg, names)
+    restored.load_state_dict(bank.state_dict())
+    assert restored.channels[names[3]].baseline.long_run == bank.channels[names[3]].baseline.long_run
 
 
 def test_the_bank_resolves_null_thresholds_from_the_budget_and_the_model_size():

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.config import MechMonConfig, load_config
 
 __all__ = [
     "ALARM_FILENAME",
@@ -101,19 +102,9 @@ def jsonable(obj: Any) -> Any:
 
 
 def config_hash(config: Any) -> str:
-    """16 hex digits identifying a configuration, ignoring ``actions.acknowledge``.
-
-    Acknowledging an alarm must not change the hash of the run's configuration, so that field is
-    dropped before hashing the canonical JSON form.
-    """
-    data = jsonable(config.to_dict() if hasattr(config, "to_dict") else config)
-    if not isinstance(data, dict):
-        data = {"config": data}
-    actions = data.get("actions")
-    if isinstance(actions, dict):
-        data["actions"] = {k: v for k, v in actions.items() if k != "acknowledge"}
-    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    """:meth:`MechMonConfig.config_hash` of ``config`` (a config or its mapping): 16 hex digits,
+    ignoring ``actions.acknowledge``, the same value ``mechmon config validate`` prints."""
+    return (config if isinstance(config, MechMonConfig) else load_config(config)).config_hash()
 
 
 def alarm_id(fault_class: str, alarm_step: int, cfg_hash: str) -> str:

@@ -715,9 +715,14 @@ class MechMonConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False)
 
     def config_hash(self) -> str:
-        """sha256 hex digest of the canonical JSON (sorted keys, no spaces) of :meth:`to_dict`."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode("ascii")).hexdigest()
+        """16 hex digits of the sha256 of the canonical JSON (sorted keys, no spaces) of
+        :meth:`to_dict` without ``actions.acknowledge`` (acknowledging an alarm does not change
+        the run's configuration). ``mechmon config validate`` prints it; ``alarm.json`` stores it.
+        """
+        data = self.to_dict()
+        data["actions"] = {k: v for k, v in data["actions"].items() if k != "acknowledge"}
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------

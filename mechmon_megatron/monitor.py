@@ -160,7 +160,7 @@ class MechMon:
             ``self``.
         """
         self.monitors = list(monitors)
-        names = set(GLOBAL_SIGNALS)
+        names = {n for n in GLOBAL_SIGNALS if self._records(n)}
         for monitor in self.monitors:
             names.update(monitor.signal_names())
         for name in names:
@@ -226,7 +226,7 @@ class MechMon:
             return Verdict(step, monitored=False)
         self.monitored_steps += 1
         for key, value in (("global/loss", loss), ("global/grad_norm", grad_norm)):
-            if value is not None:
+            if value is not None and self._records(key):
                 try:
                     local[key] = float(value)
                 except Exception as exc:  # noqa: BLE001
@@ -459,6 +459,10 @@ class MechMon:
                                 "nothing to observe on any rank")
         out["mechmon"] = {"errors": agreed.payload[-1]}
         return out
+
+    def _records(self, name: str) -> bool:
+        """Whether ``global.loss`` / ``global.grad_norm`` asks for global signal ``name``."""
+        return bool(getattr(self.config.global_, name.split("/")[1]))
 
     def _error(self, where: str, exc: BaseException) -> None:
         self.errors += 1

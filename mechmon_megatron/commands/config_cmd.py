@@ -1,6 +1,6 @@
 """``mechmon config``: check a config file, print the defaults.
 
-    mechmon config validate FILE        OK and the config hash (exit 0), or the error (exit 2)
+    mechmon config validate FILE        OK and the config hash alarm.json stores (exit 0), or the error (exit 2)
     mechmon config defaults [--preset NAME]
                                         every field as YAML, each with its docstring as comment
 
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError, yaml.YAMLError) as err:
             print(f"{args.file}: {err}", file=sys.stderr)
             return EXIT_INVALID
-        print(f"OK {args.file} sha256={config.config_hash()}")
+        print(f"OK {args.file} config_hash={config.config_hash()}")
         return 0
     print(render_yaml(load_config(preset=args.preset)), end="")
     return 0

@@ -126,7 +126,7 @@ def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> lis
             raise ValueError("mechmon.qk.enabled is true but the model has no attention module "
                              "with q_proj/k_proj or a fused query_key_value/linear_qkv; set "
                              "qk.enabled: false")
-        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=layers))
+        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=layers, seed=config.seed))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.deepspeed_moe import topk_gate_sources
         from mechmon_megatron.monitors.router import RouterMonitor

@@ -74,7 +74,8 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         if not all_layers:
             raise ValueError("qk.enabled is true but the model has no megatron-core "
                              "SelfAttention layers; set qk.enabled: false")
-        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=all_layers))
+        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=all_layers,
+                                        seed=config.seed))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.megatron_router import router_sources
         from mechmon_megatron.monitors.router import RouterMonitor

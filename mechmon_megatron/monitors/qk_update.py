@@ -130,10 +130,12 @@ class QKUpdateMonitor:
     Args:
         config: ``QKConfig`` or any object with its attributes (interval, warmup_steps, layers,
             terms, per_head, snapshot_dtype, offload_snapshots, alpha, layer_sketch.{enabled,
-            rank, oversample, power_iters, seed}).
+            rank, oversample, power_iters}).
         sources: this rank's layers, in the same order on every rank of a sketch group.
         all_layers: ``{layer: num_heads}`` of the whole model (other pipeline stages included),
             for :meth:`signal_names`; default: the local sources.
+        seed: seed of the layer sketches' random test matrices (``MechMonConfig.seed``; the same
+            on every rank).
 
     Coverage: ``found`` local layers; ``observed`` / ``skipped`` layers with finite / degenerate
     (zero or non-finite update) results at the last monitored step; ``errors`` caught so far.
@@ -142,9 +144,10 @@ class QKUpdateMonitor:
     family = "attn"
 
     def __init__(
-        self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None
+        self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None,
+        seed: int = 1234,
     ) -> None:
-        self.config = config
+        self.config, self.seed = config, int(seed)
         self.interval = int(config.interval)
         wanted = config.layers
         self.sources = [s for s in sources if wanted == "all" or s.layer in wanted]
@@ -446,7 +449,7 @@ class QKUpdateMonitor:
             n_out, fro2 = n_groups * d_head, fro2_k
             bound = min(n_out, d_model)
         cfg = self.config.layer_sketch
-        seed = int(getattr(cfg, "seed", 1234))
+        seed = self.seed
         term_id = LAYER_TERMS.index(term)
         generator = torch.Generator().manual_seed(
             (seed * 1_000_003 + source.layer * 7919 + term_id * 104_729 + step) % (2**62))

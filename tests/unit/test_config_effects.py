@@ -1,0 +1,61 @@
+"""Config fields that were silent no-ops now act: ``global.loss`` / ``global.grad_norm``, the
+top-level ``seed`` of the layer sketches, and one config hash for ``mechmon config validate`` and
+``alarm.json``."""
+
+from __future__ import annotations
+
+import math
+
+from mechmon_megatron.alarm import config_hash
+from mechmon_megatron.commands import config_cmd
+from mechmon_megatron.config import load_config
+from mechmon_megatron.integrations import megatron_core
+from mechmon_megatron.monitor import MechMon
+from tests._dist import run_distributed
+from tests.unit.test_monitor_state import SyntheticMonitor
+
+
+def _mon(tmp_path, **global_: bool) -> MechMon:
+    cfg = load_config({"global": global_, "sinks": {"console": {"enabled": False}},
+                       "actions": {"on_alarm": "log"}, "output_dir": str(tmp_path)})
+    return MechMon(cfg).attach([SyntheticMonitor()], sinks=[])
+
+
+def test_global_loss_off_removes_the_signal_and_its_nonfinite_alarm(tmp_path):
+    on, off = _mon(tmp_path / "on"), _mon(tmp_path / "off", loss=False)
+    assert "global/loss" in on.names and "global/loss" not in off.names
+    assert "global/grad_norm" in off.names and "global/grad_norm" not in _mon(tmp_path, grad_norm=False).names
+    assert on.end_step(2, loss=math.nan, grad_norm=1.0).alarm is not None
+    verdict = off.end_step(2, loss=math.nan, grad_norm=1.0)
+    assert verdict.alarm is None and "global/loss" not in verdict.signals
+    assert not off.coverage()["mechmon"]["errors"]
+
+
+def _qk_seeds(_rank: int, _world: int) -> list[int]:
+    from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
+
+    parallel = ParallelSpec()
+    init_parallel(parallel)
+    model = build_gpt(ModelSpec(num_layers=1, hidden_size=32, num_attention_heads=2), parallel)
+    seeds = []
+    for seed in (1234, 7):
+        cfg = load_config({"seed": seed, "router": {"enabled": False},
+                           "optim": {"enabled": False}})
+        seeds += [m.seed for m in megatron_core.build_monitors(cfg, [model])]
+    return seeds
+
+
+def test_the_top_level_seed_reaches_the_layer_sketches():
+    assert run_distributed(_qk_seeds, 1, timeout=300) == [[1234, 7]]
+
+
+def test_validate_prints_the_hash_alarm_json_stores(tmp_path, capsys):
+    from tests.unit.test_config import _cli
+
+    path = tmp_path / "c.yaml"
+    path.write_text("qk: {interval: 50}\nactions: {acknowledge: abc123}\n")
+    assert config_cmd.run(_cli("config", "validate", str(path))) == 0
+    printed = capsys.readouterr().out.split("config_hash=")[1].strip()
+    unacked = load_config({"qk": {"interval": 50}})
+    assert printed == config_hash(load_config(path)) == config_hash(unacked) == \
+        unacked.config_hash()

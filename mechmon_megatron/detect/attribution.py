@@ -13,6 +13,11 @@ The family whose findings have the earliest onset names the fault:
 
 Ties on the onset step count as "within the window" (window 0 = the same onset step). Layer and
 head numbers are parsed from the signal names (``.../layer_<L>[/head_<H>]``).
+
+Findings count for their signal's family, with one exception: when every ``optim`` finding is on
+the router's weight group (``optim/<stat>/router[/layer_<L>]``), they count for ``router``. A
+learning-rate fault moves the update ratios of every weight group; updates that are too large
+for the router's weights alone are a router-local fault, the way a router collapse begins.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ DESCRIPTIONS = {
 
 _FAMILY_ORDER = ("attn", "router", "fp8", "optim", "global")
 _LAYER, _HEAD = re.compile(r"/layer_(\d+)(?:/|$)"), re.compile(r"/head_(\d+)(?:/|$)")
+_ROUTER_GROUP = re.compile(r"optim/[^/]+/router(?:/layer_\d+)?\Z")
 
 
 @dataclass(frozen=True)
@@ -102,9 +108,15 @@ def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis
     findings = sorted(findings, key=lambda f: (f.onset_step, -f.score, f.signal, f.detector))
     if not findings:
         raise ValueError("diagnose: no findings")
+    optim = [f for f in findings if f.family == "optim"]
+    router_only = bool(optim) and all(_ROUTER_GROUP.match(f.signal) for f in optim)
+
+    def family(f: Finding) -> str:
+        return "router" if router_only and f.family == "optim" else f.family
+
     first_onset: dict[str, int] = {}
     for f in findings:
-        first_onset.setdefault(f.family, f.onset_step)
+        first_onset.setdefault(family(f), f.onset_step)
     families = sorted(first_onset, key=lambda fam: (first_onset[fam], _FAMILY_ORDER.index(fam)))
     first = families[0]
     close = [fam for fam in families if first_onset[fam] - first_onset[first] <= compound_window]
@@ -120,7 +132,7 @@ def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis
         evidence.append(
             {
                 "signal": f.signal,
-                "family": f.family,
+                "family": family(f),
                 "detector": f.detector,
                 "layer": layer,
                 "head": head,

@@ -42,6 +42,19 @@ def test_router_first_is_router_collapse():
     assert d.fault_class == "router_collapse" and d.first_family == "router"
 
 
+def test_update_ratios_of_the_router_group_alone_name_the_router_not_the_learning_rate():
+    alone = diagnose([_finding("optim/update_ratio/router", 3200),
+                      _finding("optim/update_ratio/router/layer_2", 3200)])
+    assert (alone.fault_class, alone.families) == ("router_collapse", ["router"])
+    assert {e["family"] for e in alone.evidence} == {"router"}
+    # a learning-rate fault moves every group: the router group among them stays `lr`
+    every = diagnose([_finding("optim/update_ratio/router", 3300),
+                      _finding("optim/update_ratio/qkv", 3300)])
+    assert (every.fault_class, every.families) == ("lr", ["optim"])
+    sharp = diagnose([_finding("optim/sharpness/eos_ratio", 300, detector="bounds")])
+    assert sharp.fault_class == "lr"
+
+
 def test_global_only_is_a_global_fault():
     d = diagnose([_finding(LOSS, 100, detector="nonfinite", score=float("inf"))])
     assert (d.fault_class, d.families) == ("global", ["global"])

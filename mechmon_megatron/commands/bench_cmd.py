@@ -17,7 +17,9 @@ continuing the same model. Columns:
   monitored steps;
 - ``snapshots MiB``: tensors held by the monitor between monitored steps (its state);
 - ``RSS peak +MiB``: growth of the process's resident high-water mark during the run (CPU; an
-  upper bound of the transient memory the monitor adds, 0 when below an earlier peak).
+  upper bound of the transient memory the monitor adds, 0 when below an earlier peak);
+- ``alarm``: the step of an alarm the monitor raised on this healthy model (``-``: none; a
+  healthy run should stay silent at every interval).
 """
 
 from __future__ import annotations
@@ -130,7 +132,8 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
                          "share_pct": 100 * trainer.mon.seconds / (on * args.steps
                                                                    - trainer.mon.seconds),
                          "state_mib": _state_bytes(mon.state_dict()) / 2**20,
-                         "rss_mib": max(0.0, _rss_mib() - rss)})
+                         "rss_mib": max(0.0, _rss_mib() - rss),
+                         "alarm": mon.alarm.alarm_step if mon.alarm is not None else None})
             trainer.mon = None
         return rows
     finally:
@@ -148,10 +151,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"mechmon bench: {args.layers} layers x {args.hidden} hidden, {args.heads} heads, "
           f"batch {args.batch} x seq {args.seq}, {args.steps} steps per run, 1 CPU thread")
     print("| interval | step ms off | step ms on | monitor ms/step | share | snapshots MiB "
-          "| RSS peak +MiB |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| RSS peak +MiB | alarm |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(f"| {r['interval']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | "
               f"{r['monitor_ms']:.2f} | {r['share_pct']:.2f} % | {r['state_mib']:.2f} | "
-              f"{r['rss_mib']:.1f} |")
+              f"{r['rss_mib']:.1f} | {r['alarm'] if r['alarm'] is not None else '-'} |")
     return 0

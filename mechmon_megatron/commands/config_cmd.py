@@ -1,6 +1,7 @@
 """``mechmon config``: check a config file, print the defaults.
 
-    mechmon config validate FILE        OK and the config hash alarm.json stores (exit 0), or the error (exit 2)
+    mechmon config validate FILE        OK and the config hash alarm.json stores (exit 0),
+                                        or the error (exit 2)
     mechmon config defaults [--preset NAME]
                                         every field as YAML, each with its docstring as comment
 

@@ -109,12 +109,12 @@ def lag1_autocorrelation(window: list[float]) -> float:
         return math.nan
     tc = [t - (m - 1) / 2.0 for t in range(m)]
     mean = sum(window) / m
-    slope = sum(t * x for t, x in zip(tc, window)) / sum(t * t for t in tc)
-    r = [x - mean - slope * t for t, x in zip(tc, window)]
+    slope = sum(t * x for t, x in zip(tc, window, strict=True)) / sum(t * t for t in tc)
+    r = [x - mean - slope * t for t, x in zip(tc, window, strict=True)]
     var = sum(v * v for v in r)
     if not var > 0.0 or not math.isfinite(var):
         return math.nan
-    return sum(a * b for a, b in zip(r, r[1:])) / var
+    return sum(a * b for a, b in zip(r[:-1], r[1:], strict=True)) / var
 
 
 def long_run_factor(estimates: list[float], m: int) -> float:

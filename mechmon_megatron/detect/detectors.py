@@ -19,8 +19,8 @@ until it has formed; ``direction`` orients z so that positive means "toward the 
 | nonfinite    | x is NaN or +-inf (the loss, once seen finite)               | inf          |
 
 ``f`` is the baseline's long-run-variance factor (1 for independent samples, see
-detect/budget.py). Onset step: robust_z, the first exceeding sample of the k; cusum, the sample at which S last
-left zero (the change-point estimate); the others, the finding's own step.
+detect/budget.py). Onset step: robust_z, the first exceeding sample of the k; cusum, the sample
+at which S last left zero (the change-point estimate); the others, the finding's own step.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@ number of watched signals and the interval, and the bank resolving null threshol
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 
@@ -88,7 +87,7 @@ def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_
     def run(warm: list[list[float]]) -> tuple[list[int], DetectorBank]:
         bank = DetectorBank(cfg, names)
         for t in range(20):
-            bank.update(t, {n: w[t] for n, w in zip(names, warm)})
+            bank.update(t, {n: w[t] for n, w in zip(names, warm, strict=True)})
         fired = []
         for t in range(20, 30):
             table = {}
@@ -108,7 +107,8 @@ def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_
     assert bank.channels[names[0]].baseline.long_run > 2.0 and fired == []
     restored = DetectorBank(cfg, names)
     restored.load_state_dict(bank.state_dict())
-    assert restored.channels[names[3]].baseline.long_run == bank.channels[names[3]].baseline.long_run
+    restored_f = restored.channels[names[3]].baseline.long_run
+    assert restored_f == bank.channels[names[3]].baseline.long_run
 
 
 def test_the_bank_resolves_null_thresholds_from_the_budget_and_the_model_size():

@@ -10,10 +10,15 @@ Collective rules (every caller relies on them):
    group has a single member, so the same code runs in a single CPU process.
 4. The device follows the group's backend: CPU tensors for gloo, the current CUDA device for
    nccl. Callers pass tensors on any device; results come back on the caller's device.
+5. Local work that can fail never stands between two collectives unguarded: it runs first (the
+   *local phase*), and its failure travels as a void flag inside the next collective
+   (:func:`sum_or_void`, :func:`gather_or_void`), so every rank issues the same calls and learns
+   together that the result is void.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from datetime import timedelta
@@ -35,6 +40,8 @@ __all__ = [
     "all_gather_cat",
     "all_gather_object",
     "all_gather_union",
+    "sum_or_void",
+    "gather_or_void",
     "broadcast_object",
     "barrier",
     "group_ranks",
@@ -127,6 +134,45 @@ def all_gather_cat(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> t
     parts = [torch.empty_like(local) for _ in range(n)]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts, dim=dim).to(tensor.device)
+
+
+def _flagged(local: torch.Tensor | None, shape: tuple[int, ...], void: bool,
+             dtype: torch.dtype) -> torch.Tensor:
+    """``[numel + 1]``: the flattened local part and a last element 1 when void (zeros then)."""
+    numel = math.prod(shape)
+    void = void or local is None or local.numel() != numel
+    device = torch.device("cpu") if void else local.device
+    flat = torch.zeros(numel + 1, dtype=dtype, device=device)
+    if void:
+        flat[-1] = 1.0
+    else:
+        flat[:-1] = local.detach().reshape(-1)
+    return flat
+
+
+def sum_or_void(local: torch.Tensor | None, shape: tuple[int, ...], group: Group = None,
+                void: bool = False, dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, bool]:
+    """The collective phase of a sharded read: a SUM all-reduce every rank issues with shape
+    ``shape``, whatever its local phase did.
+
+    A rank whose local phase failed (``local`` None, of another size, or ``void``) sends zeros
+    and a void flag in the same call (one extra element). Returns ``(sum [shape], void)`` with
+    ``void`` true on every rank when it was set on any.
+    """
+    out = all_reduce_sum(_flagged(local, tuple(shape), void, dtype), group)
+    return out[:-1].view(tuple(shape)), bool(out[-1].item() > 0)
+
+
+def gather_or_void(local: torch.Tensor | None, shape: tuple[int, ...], group: Group = None,
+                   void: bool = False, dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, bool]:
+    """:func:`all_gather_cat` along dim 0 with the void flag of :func:`sum_or_void`: returns
+    ``(cat [n * shape[0], *shape[1:]], void on any rank)``."""
+    shape = tuple(shape)
+    parts = all_gather_cat(_flagged(local, shape, void, dtype).unsqueeze(0), group)
+    data = parts[:, :-1].reshape((parts.shape[0] * shape[0],) + shape[1:])
+    return data, bool((parts[:, -1] > 0).any().item())
 
 
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:

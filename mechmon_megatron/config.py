@@ -684,6 +684,9 @@ class MechMonConfig:
     """Directory of alarm.json and metrics.jsonl unless the framework checkpoint dir is used."""
     seed: int = 1234
     """Seed of the random sketches (identical on every rank)."""
+    strict: bool | None = None
+    """Fail the step on every rank when any monitor counted an error (the test suite's mode);
+    null: on when the environment sets ``MECHMON_STRICT=1``. Not part of the config hash."""
     qk: QKConfig = field(default_factory=QKConfig)
     """QK weight-update monitor."""
     router: RouterConfig = field(default_factory=RouterConfig)
@@ -716,11 +719,12 @@ class MechMonConfig:
 
     def config_hash(self) -> str:
         """16 hex digits of the sha256 of the canonical JSON (sorted keys, no spaces) of
-        :meth:`to_dict` without ``actions.acknowledge`` (acknowledging an alarm does not change
-        the run's configuration). ``mechmon config validate`` prints it; ``alarm.json`` stores it.
+        :meth:`to_dict` without ``actions.acknowledge`` and ``strict`` (acknowledging an alarm
+        or failing on monitor errors does not change what is monitored). ``mechmon config validate`` prints it; ``alarm.json`` stores it.
         """
         data = self.to_dict()
         data["actions"] = {k: v for k, v in data["actions"].items() if k != "acknowledge"}
+        data.pop("strict")
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
 

@@ -9,15 +9,21 @@ Usage (every rank, same order)::
         ...forward/backward/optimizer step...
         verdict = mon.end_step(step, loss=loss, grad_norm=grad_norm)
 
-A step is *monitored* when ``step % interval == 0``; ``interval`` is the gcd of the monitors'
-``interval`` attributes (1 when a monitor has none), so it is the same on every rank and every
-monitor's own steps are monitored steps. On a monitored step every rank makes exactly these
-collectives, whatever it observed: one SUM all-reduce (:func:`signals.reduce_signals`), one MAX
-all-reduce (:func:`alarm.consensus`, which also carries the coverage counters) and, only when
-the consensus says alarm (then on every rank), one broadcast of the diagnosis plus the action's
-barriers. A collective that fails is not hidden (the process group is broken); everything else
-that fails inside ``begin_step``/``end_step`` is caught, counted in the coverage report and warned
-once. The only way out of ``end_step`` is the ``checkpoint_and_exit`` action.
+Each monitor keeps its own schedule: a step is *monitored* when it is a step of some monitor
+(``step % monitor.interval == 0``), the same on every rank; a monitor that is not due returns
+nothing and does no work, and an unmonitored step makes no collective and no host sync. On a
+monitored step every rank makes exactly these collectives, whatever it observed: the due
+monitors' own (their local phases cannot fail past them: ``comm`` rule 5), one SUM all-reduce
+(:func:`signals.reduce_signals`), one MAX all-reduce (:func:`alarm.consensus`, which also carries
+the coverage counters) and, only when the consensus says alarm (then on every rank), one
+broadcast of the diagnosis plus the action's barriers. Monitors catch and count what fails in
+their local phases (the affected signals are NaN on every rank). An exception that still escapes
+a monitor came from between its collectives (a collective that failed, or a framework read that
+failed on one rank): this rank may no longer be in step with its peers, so it is raised as
+:class:`MonitorProtocolError` rather than risk a mispaired collective. With ``strict`` (the
+test suite's mode, also ``MECHMON_STRICT=1``) any error a monitor counted on any rank fails the
+step on every rank, after the consensus. The only other way out of ``end_step`` is the
+``checkpoint_and_exit`` action.
 
 An alarm latches: afterwards detectors keep producing findings (logged), but no new alarm is
 raised until a resumed job acknowledges it (:meth:`MechMon.check_resume`, workflow in
@@ -33,7 +39,6 @@ counts the orchestrator's own caught errors.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import warnings
 import zlib
@@ -59,12 +64,21 @@ from mechmon_megatron.monitors.base import COVERAGE_KEYS
 from mechmon_megatron.signals import family_of, reduce_signals
 from mechmon_megatron.sinks import Sink, StepRecord, build_sinks
 
-__all__ = ["GLOBAL_SIGNALS", "Detectors", "MechMon", "Verdict"]
+__all__ = ["GLOBAL_SIGNALS", "Detectors", "MechMon", "MonitorError", "MonitorProtocolError",
+           "Verdict"]
 
 logger = logging.getLogger(__name__)
 
 GLOBAL_SIGNALS = ("global/grad_norm", "global/loss")
 """Signals the orchestrator adds from ``end_step(loss=..., grad_norm=...)``."""
+
+
+class MonitorError(RuntimeError):
+    """Strict mode: a monitor counted an error on some rank (raised on every rank)."""
+
+
+class MonitorProtocolError(RuntimeError):
+    """An exception escaped a monitor between its collectives (see the module docstring)."""
 
 
 class Detectors(Protocol):
@@ -122,7 +136,7 @@ class MechMon:
         self.config_hash = config_hash(config)
         self.monitors: list[Any] = []
         self.names: list[str] = []
-        self.interval = 1
+        self.intervals: list[int] = []
         self.detectors: Detectors | None = None
         self.sinks: list[Sink] = []
         self.framework: FrameworkActions = ProcessExit()
@@ -135,6 +149,7 @@ class MechMon:
         self.errors = 0
         self._warned: set[str] = set()
         self._pending_state: dict[str, Any] | None = None
+        self._errors_agreed = 0
 
     def attach(
         self,
@@ -166,10 +181,12 @@ class MechMon:
         for name in names:
             family_of(name)
         self.names = sorted(names)
-        self.interval = math.gcd(*[int(getattr(m, "interval", 1)) for m in self.monitors], 0) or 1
+        self.intervals = [int(getattr(m, "interval", 1)) for m in self.monitors]
+        if any(i < 1 for i in self.intervals):
+            raise ValueError(f"mechmon: monitor intervals must be >= 1, got {self.intervals}")
         self.framework = actions if actions is not None else ProcessExit()
         self.group = world_group
-        _check_same_on_every_rank(self.names, self.interval, world_group)
+        _check_same_on_every_rank(self.names, self._schedule(), world_group)
         if detectors is None:
             from mechmon_megatron.detect import DetectorBank
 
@@ -185,8 +202,17 @@ class MechMon:
         return self
 
     def is_monitored(self, step: int) -> bool:
-        """Whether ``step`` is a monitored step (same answer on every rank)."""
-        return step % self.interval == 0
+        """Whether ``step`` is a step of some monitor (same answer on every rank; with no
+        monitor attached, every step is monitored: the loss and grad norm rules run)."""
+        return not self.intervals or any(step % i == 0 for i in self.intervals)
+
+    @property
+    def strict(self) -> bool:
+        """``config.strict``, or ``MECHMON_STRICT=1`` when the config leaves it unset."""
+        value = getattr(self.config, "strict", None)
+        if value is None:
+            return os.environ.get("MECHMON_STRICT", "0").lower() in ("1", "true", "yes")
+        return bool(value)
 
     def note_checkpoint(self, step: int, path: str) -> None:
         """Record that the framework saved a checkpoint of ``step`` at ``path``."""
@@ -198,8 +224,8 @@ class MechMon:
         for monitor in self.monitors:
             try:
                 monitor.begin_step(step)
-            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
-                self._error(f"{monitor.family}.begin_step", exc)
+            except Exception as exc:
+                self._escaped(f"{monitor.family}.begin_step", step, exc)
 
     def end_step(self, step: int, loss: Any = None, grad_norm: Any = None) -> Verdict:
         """After the optimizer step of ``step``: monitor, detect, agree, act, log.
@@ -213,17 +239,15 @@ class MechMon:
             The :class:`Verdict`, identical on every rank.
         """
         self.last_step = step
-        local: dict[str, float] = {}
-        for monitor in self.monitors:
-            try:
-                local.update(monitor.end_step(step))
-            except Exception as exc:  # noqa: BLE001
-                self._error(f"{monitor.family}.end_step", exc)
         if not self.is_monitored(step):
-            if local:
-                self._warn_once("dropped", f"mechmon: signals emitted at unmonitored step {step} "
-                                f"are dropped (interval {self.interval})")
             return Verdict(step, monitored=False)
+        local: dict[str, float] = {}
+        for monitor, interval in zip(self.monitors, self.intervals, strict=True):
+            if step % interval == 0:
+                try:
+                    local.update(monitor.end_step(step))
+                except Exception as exc:
+                    self._escaped(f"{monitor.family}.end_step", step, exc)
         self.monitored_steps += 1
         for key, value in (("global/loss", loss), ("global/grad_norm", grad_norm)):
             if value is not None and self._records(key):
@@ -246,6 +270,7 @@ class MechMon:
             payload=self._coverage_payload(),
         )
         coverage = self._coverage(agreed)
+        self._check_strict(step, coverage)
         alarm = None
         if agreed.alarm:
             alarm = self._new_alarm(share_diagnosis(diagnosis, agreed, self.group), agreed)
@@ -460,6 +485,29 @@ class MechMon:
         out["mechmon"] = {"errors": agreed.payload[-1]}
         return out
 
+    def _schedule(self) -> list[tuple[str, int, int]]:
+        """``(family, interval, signal count)`` per monitor in order: fixes the order and width
+        of every per-step collective, so attach compares it across ranks."""
+        return [(m.family, i, len(m.signal_names()))
+                for m, i in zip(self.monitors, self.intervals, strict=True)]
+
+    def _check_strict(self, step: int, coverage: Mapping[str, Mapping[str, int]]) -> None:
+        """Strict mode: raise on every rank when the agreed error counts grew (the payload is
+        identical on every rank, so they all raise here, after every collective of the step)."""
+        total = sum(int(c.get("errors", 0)) for c in coverage.values())
+        grew, self._errors_agreed = total > self._errors_agreed, total
+        if grew and self.strict:
+            raise MonitorError(f"mechmon strict mode: monitors counted errors at step {step} "
+                               f"(coverage {dict(coverage)}); see the warnings of the rank "
+                               "that failed")
+
+    def _escaped(self, where: str, step: int, exc: BaseException) -> None:
+        self._error(where, exc)
+        raise MonitorProtocolError(
+            f"mechmon: {where} raised at step {step} outside its local phases ({type(exc).__name__}"
+            f": {exc}); this rank may be out of step with its peers' collectives, so training "
+            "stops here rather than mispair them") from exc
+
     def _records(self, name: str) -> bool:
         """Whether ``global.loss`` / ``global.grad_norm`` asks for global signal ``name``."""
         return bool(getattr(self.config.global_, name.split("/")[1]))
@@ -476,20 +524,24 @@ class MechMon:
             warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def _check_same_on_every_rank(names: Sequence[str], interval: int, group: comm.Group) -> None:
-    """One MAX all-reduce at attach time: every rank must declare the same signal table and
-    monitor interval, or the per-step reductions would pair mismatched shapes (a hang) or
-    mismatched names (a silently wrong table).
+def _check_same_on_every_rank(names: Sequence[str], schedule: Sequence[tuple[str, int, int]],
+                              group: comm.Group) -> None:
+    """One MAX all-reduce at attach time: every rank must declare the same signal table and the
+    same monitor schedule (families, order, intervals, widths), or the per-step collectives
+    would pair mismatched shapes (a hang) or mismatched names (a silently wrong table).
 
     Raises:
         ValueError: on every rank, naming what differs.
     """
     digest = zlib.crc32("\n".join(names).encode())
-    mine = [len(names), digest, interval]
+    plan = zlib.crc32(repr(list(schedule)).encode())
+    mine = [len(names), digest, len(schedule), plan]
+    n = len(mine)
     both = comm.all_reduce_max(torch.tensor(mine + [-v for v in mine], dtype=torch.int64), group)
-    high, low = both[:3].tolist(), [-v for v in both[3:].tolist()]
+    high, low = both[:n].tolist(), [-v for v in both[n:].tolist()]
     if high != low:
         raise ValueError(
-            "mechmon: ranks disagree on the monitored signals (count, name digest, interval: "
-            f"{low} .. {high}; this rank {mine}); every rank must see the same model layout and "
+            "mechmon: ranks disagree on the monitored signals or the monitor schedule (signal "
+            f"count, name digest, monitor count, schedule digest: {low} .. {high}; this rank "
+            f"{mine}, schedule {list(schedule)}); every rank must see the same model layout and "
             "the same mechmon config")

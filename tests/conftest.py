@@ -1,4 +1,9 @@
-"""Shared pytest setup: deterministic seeds and the repository root on sys.path."""
+"""Shared pytest setup: deterministic seeds, the repository root on sys.path, strict mode.
+
+``MECHMON_STRICT=1`` (inherited by spawned ranks and CLI subprocesses): any error a monitor
+catches and counts fails the step, so a test never passes on top of a silently void signal.
+Tests that inject failures set ``strict: false`` in their config.
+"""
 
 import os
 import sys
@@ -13,6 +18,7 @@ if ROOT not in sys.path:
 # Spawned ranks already use one thread each; the parent does too, so the small dense kernels of
 # the unit tests don't fight the ranks (or each other) for the two cores.
 torch.set_num_threads(1)
+os.environ.setdefault("MECHMON_STRICT", "1")
 
 
 @pytest.fixture(autouse=True)

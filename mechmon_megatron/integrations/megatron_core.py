@@ -13,7 +13,6 @@ stages that hold no attention or router layers still declare every signal name.
 from __future__ import annotations
 
 import warnings
-from functools import partial
 from typing import Any
 
 import torch
@@ -21,9 +20,8 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import (
     find_attention_modules,
-    fp32_weight,
     qk_layout,
-    read_qk_rows,
+    qk_read_phases,
 )
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 
@@ -47,12 +45,13 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
     sources = []
     for name, attn in found:
         layout = qk_layout(attn, tp_rank, tp_size)
-        read = partial(read_qk_rows, attn, layout, tp_rank, tp_size, tp_group,
-                       partial(fp32_weight, optimizer=optimizer))
+        read, exchange, finish = qk_read_phases(attn, layout, tp_rank, tp_size, tp_group,
+                                                optimizer)
         sources.append(QKSource(
             layer=int(attn.layer_number), name=name, num_heads=layout["num_heads"],
             head_index=layout["head_index"], group_index=layout["group_index"], read=read,
-            sketch_group=tp_group, num_groups=layout["num_groups"]))
+            sketch_group=tp_group, num_groups=layout["num_groups"], exchange=exchange,
+            finish=finish))
     return sources
 
 

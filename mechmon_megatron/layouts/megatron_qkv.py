@@ -27,6 +27,7 @@ this rank's slice), otherwise the parameter itself (fp32 training, plain torch o
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -39,7 +40,11 @@ __all__ = [
     "find_attention_modules",
     "qk_layout",
     "read_qk_rows",
+    "qk_rows",
+    "qk_read_phases",
     "fp32_weight",
+    "fp32_sum_group",
+    "local_fp32",
 ]
 
 
@@ -119,25 +124,50 @@ def qk_layout(attn: Any, tp_rank: int, tp_size: int) -> dict[str, Any]:
 def fp32_weight(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:
     """An fp32 copy of the weights the optimizer updates (see the module docstring).
 
-    Under ``DistributedOptimizer`` every DP rank takes the same branch (``main_param_sharded``
-    is set on all of them, also on ranks that own no slice of this parameter, whose
-    ``main_param`` is None) and joins the same SUM all-reduce, contributing zeros outside its
-    slice. With the precision-aware optimizer the fp32 copy lives inside the fused optimizer;
-    then the (synchronised) model weight is read on every rank.
+    ``local_fp32`` then, where the fp32 copy is DP-sharded (:func:`fp32_sum_group`), a SUM
+    all-reduce over the DP group: under ``DistributedOptimizer`` every DP rank takes the same
+    branch (``main_param_sharded`` is set on all of them, also on ranks that own no slice of this
+    parameter) and joins the same all-reduce, contributing zeros outside its slice.
+    """
+    local = local_fp32(param, optimizer)
+    group = fp32_sum_group(param, optimizer)
+    return local if group is None else comm.all_reduce_sum(local, group)
+
+
+def fp32_sum_group(param: torch.nn.Parameter, optimizer: Any = None) -> comm.Group | None:
+    """The DP group over which :func:`local_fp32` parts are summed into the full fp32 weight,
+    or None when the local part is already complete (fixed for a model and optimizer).
+
+    Raises:
+        ValueError: a DP-sharded ``main_param`` without the DistributedOptimizer owning it.
+    """
+    if not getattr(param, "main_param_sharded", False):
+        return None
+    owner = _owning_optimizer(optimizer, param)
+    if owner is None:
+        raise ValueError("parameter has a DP-sharded main_param but no DistributedOptimizer "
+                         "owning it was given; pass the optimizer to the monitor")
+    if getattr(getattr(owner, "config", None), "use_precision_aware_optimizer", False):
+        return None
+    return owner.data_parallel_group
+
+
+def local_fp32(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:
+    """This rank's part of the fp32 weight, ``[*param.shape]`` (no collective).
+
+    DP-sharded main params: this rank's slice in a zero buffer. Precision-aware optimizer (the
+    fp32 copy lives inside the fused optimizer): the synchronised model weight. Otherwise
+    ``main_param``, a TE QuantizedTensor dequantized, or the parameter itself.
     """
     if getattr(param, "main_param_sharded", False):
         owner = _owning_optimizer(optimizer, param)
-        if owner is None:
-            raise ValueError("parameter has a DP-sharded main_param but no DistributedOptimizer "
-                             "owning it was given; pass the optimizer to the monitor")
-        if getattr(getattr(owner, "config", None), "use_precision_aware_optimizer", False):
+        if fp32_sum_group(param, optimizer) is None:
             return param.detach().float().clone()
         main = getattr(param, "main_param", None)
         full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
         if main is not None:
             rng = owner._get_model_param_range_map(param)["param"]
             full[rng.start:rng.end] = main.detach().float().view(-1)
-        full = comm.all_reduce_sum(full, owner.data_parallel_group)
         return full.view(param.shape)
     main = getattr(param, "main_param", None)
     if main is not None:
@@ -182,11 +212,19 @@ def read_qk_rows(
         ``(wq_NKD [np/tp, hn, H], wk_GKD [local groups, hn, H])``.
     """
     weight = weight_fn(attn.linear_qkv.weight)
+    if layout["gathered"]:
+        weight = comm.all_gather_cat(weight, tp_group, dim=0)
+    return qk_rows(attn, layout, tp_rank, tp_size, weight)
+
+
+def qk_rows(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int,
+            weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`read_qk_rows` from the fp32 ``linear_qkv`` weight: the local shard, or the
+    TP-gathered weight when ``layout["gathered"]`` (no collective)."""
     hn, ng, np_ = layout["head_dim"], layout["num_groups"], layout["num_heads"]
     qpg = np_ // ng
     block = (qpg * (2 if layout["gate"] else 1) + 2) * hn
     if layout["gathered"]:
-        weight = comm.all_gather_cat(weight, tp_group, dim=0)
         group = tp_rank // (tp_size // ng)
         groups_RKD = weight[group * block : (group + 1) * block].unsqueeze(0)
     else:
@@ -203,3 +241,28 @@ def read_qk_rows(
     wq_NKD = fold_norm(wq_NKD.contiguous(), q_norm, _gamma(q_norm))
     wk_GKD = fold_norm(wk_GKD.contiguous(), k_norm, _gamma(k_norm))
     return wq_NKD, wk_GKD
+
+
+def qk_read_phases(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int,
+                   tp_group: comm.Group, optimizer: Any = None
+                   ) -> tuple[Callable[[], torch.Tensor],
+                              Callable[[torch.Tensor | None], tuple[torch.Tensor, bool]],
+                              Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`read_qk_rows` with :func:`fp32_weight` as the three phases of ``QKSource``:
+    ``read`` (local fp32 part, may fail), ``exchange`` (DP sum of sharded main params, then TP
+    gather when ng < tp: fixed shapes, a failed local phase travels as the void flag) and
+    ``finish`` (:func:`qk_rows`)."""
+    param = attn.linear_qkv.weight
+    shape = tuple(param.shape)
+    dp_group = fp32_sum_group(param, optimizer)
+
+    def exchange(local: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        weight, void = local, local is None
+        if dp_group is not None:
+            weight, void = comm.sum_or_void(weight, shape, dp_group, void)
+        if layout["gathered"]:
+            weight, void = comm.gather_or_void(weight, shape, tp_group, void)
+        return (weight if weight is not None else torch.zeros(shape)), void
+
+    return (partial(local_fp32, param, optimizer), exchange,
+            partial(qk_rows, attn, layout, tp_rank, tp_size))

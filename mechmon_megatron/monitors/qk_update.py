@@ -78,10 +78,17 @@ class QKSource:
         num_heads: global number of query heads of the layer.
         head_index: ``[H_loc]`` long, global index of each local query head.
         group_index: ``[H_loc]`` long, local kv-group index (row of ``wk_GKD``) of each local head.
-        read: ``() -> (wq_HKD, wk_GKD)`` fp32 rows (qk-layernorm gamma folded); may be collective.
+        read: the local phase of the read (no collective; may fail): ``() -> (wq_HKD,
+            wk_GKD)`` fp32 rows (qk-layernorm gamma folded), or, with ``exchange``, the local
+            payload it takes.
         sketch_group: ranks holding disjoint heads of this layer (TP group); None = world.
         num_groups: global kv groups; None infers ``num_heads * G_loc / H_loc`` (right when every
             rank holds whole groups, i.e. not when groups are replicated because ng < tp).
+        exchange: the collective phase, ``payload | None -> (payload, void)``: the same calls
+            and shapes on every rank whatever ``read`` did (None: it failed), ``void`` true
+            everywhere when any rank's local phase failed (``comm.sum_or_void``). None: ``read``
+            is complete.
+        finish: ``payload -> (wq_HKD, wk_GKD)`` after ``exchange`` (no collective).
     """
 
     layer: int
@@ -92,6 +99,28 @@ class QKSource:
     read: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     sketch_group: comm.Group = None
     num_groups: int | None = None
+    exchange: Callable[[Any], tuple[Any, bool]] | None = None
+    finish: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def rows(self, on_error: Callable[[str, BaseException], None]
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The three phases of the read: None when any rank's local phase failed (on every
+        rank) or this rank's ``finish`` failed; local errors go to ``on_error(where, exc)``."""
+        payload = None
+        try:
+            payload = self.read()
+        except Exception as exc:  # noqa: BLE001 - becomes the void flag of the exchange
+            on_error("read", exc)
+        if self.exchange is None:
+            return payload
+        payload, void = self.exchange(payload)
+        if void:
+            return None
+        try:
+            return payload if self.finish is None else self.finish(payload)
+        except Exception as exc:  # noqa: BLE001
+            on_error("read (finish)", exc)
+            return None
 
     def global_groups(self, local_groups: int) -> int:
         """Global kv groups: ``num_groups``, or ``num_heads * G_loc / H_loc`` when unset."""
@@ -237,11 +266,13 @@ class QKUpdateMonitor:
 
     def _observe(self, source: QKSource, step: int) -> dict[str, float]:
         out: dict[str, float] = {}
+        rows = source.rows(lambda where, exc: self._error(source, where, exc))
         pair = None
-        try:
-            pair = self._read(source, step)
-        except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
-            self._error(source, "read", exc)
+        if rows is not None:
+            try:
+                pair = self._read(source, step, rows)
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+                self._error(source, "read", exc)
         if pair is not None:
             try:
                 out.update(self._head_signals(source, *pair))
@@ -252,10 +283,11 @@ class QKUpdateMonitor:
             out.update(self._layer_signals(source, step, pair))
         return out
 
-    def _read(self, source: QKSource, step: int) -> tuple[tuple, tuple] | None:
-        """``((wq_prev, wq), (wk_prev, wk))`` float32 on the weights' device, or None on the
-        first observation; stores the new snapshot."""
-        wq, wk = source.read()
+    def _read(self, source: QKSource, step: int, rows: tuple[torch.Tensor, torch.Tensor]
+              ) -> tuple[tuple, tuple] | None:
+        """``((wq_prev, wq), (wk_prev, wk))`` float32 on the weights' device from the rows just
+        read, or None on the first observation; stores the new snapshot."""
+        wq, wk = rows
         n_loc = source.head_index.numel()
         if wq.dim() != 3 or wk.dim() != 3 or wq.shape[0] != n_loc or wq.shape[1:] != wk.shape[1:]:
             raise ValueError(f"read() gave wq {tuple(wq.shape)}, wk {tuple(wk.shape)}; expected "
@@ -345,26 +377,11 @@ class QKUpdateMonitor:
     def _layer_signals(self, source: QKSource, step: int, pair: tuple | None) -> dict[str, float]:
         """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""
         group = source.sketch_group
-        ready = 0.0
-        fro2_q = fro2_k = 0.0
-        weight_G = gg_G = None
-        if pair is not None:
-            (wq0, wq1), (wk0, wk1) = pair
-            finite = bool(torch.isfinite(wq1).all()) and bool(torch.isfinite(wk1).all()) and bool(
-                torch.isfinite(wq0).all()) and bool(torch.isfinite(wk0).all())
-            num_groups = source.global_groups(wk1.shape[0])
-            per_group = max(source.num_heads // num_groups, 1)
-            group_index = source.group_index.to(torch.long).cpu()
-            local_groups = wk1.shape[0]
-            counts_G = torch.bincount(group_index, minlength=local_groups).double()
-            first_G = torch.full((local_groups,), source.num_heads, dtype=torch.long)
-            first_G = first_G.scatter_reduce(0, group_index, source.head_index.cpu().long(), "amin")
-            gg_G = (first_G // per_group).clamp(0, num_groups - 1)
-            weight_G = counts_G / per_group
-            dwq, dwk = wq1 - wq0, wk1 - wk0
-            fro2_q = float(dwq.double().pow(2).sum())
-            fro2_k = float((dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum())
-            ready = 1.0 if finite else 0.0
+        try:
+            ready, fro2_q, fro2_k, gg_G, weight_G = self._sketch_inputs(source, pair)
+        except Exception as exc:  # noqa: BLE001 - the agreement below must still happen
+            self._error(source, "layer sketch inputs", exc)
+            ready, fro2_q, fro2_k, gg_G, weight_G = 0.0, 0.0, 0.0, None, None
         agree = comm.all_reduce_sum(torch.tensor([ready, fro2_q, fro2_k], dtype=torch.float64),
                                     group)
         if int(round(float(agree[0]))) != comm.world_size(group):
@@ -388,11 +405,32 @@ class QKUpdateMonitor:
                     out[f"attn/layer_{term}/{metric}/layer_{source.layer}"] = v
         return out
 
-    def _sketch(self, source: QKSource, step: int, term: str, pair: tuple,
-                gg_G: torch.Tensor, weight_G: torch.Tensor, fro2_q: float,
-                fro2_k: float) -> SketchResult:
+    def _sketch_inputs(self, source: QKSource, pair: tuple | None) -> tuple:
+        """Local inputs of the sketch: ``(ready, ||dWq||^2, ||dWk||^2 weighted, global group of
+        each local kv group, its weight)``; ready 0 without a finite update."""
+        if pair is None:
+            return 0.0, 0.0, 0.0, None, None
         (wq0, wq1), (wk0, wk1) = pair
-        group = source.sketch_group
+        finite = all(bool(torch.isfinite(w).all()) for w in (wq0, wq1, wk0, wk1))
+        num_groups = source.global_groups(wk1.shape[0])
+        per_group = max(source.num_heads // num_groups, 1)
+        group_index = source.group_index.to(torch.long).cpu()
+        local_groups = wk1.shape[0]
+        counts_G = torch.bincount(group_index, minlength=local_groups).double()
+        first_G = torch.full((local_groups,), source.num_heads, dtype=torch.long)
+        first_G = first_G.scatter_reduce(0, group_index, source.head_index.cpu().long(), "amin")
+        gg_G = (first_G // per_group).clamp(0, num_groups - 1)
+        weight_G = counts_G / per_group
+        dwq, dwk = wq1 - wq0, wk1 - wk0
+        fro2_q = float(dwq.double().pow(2).sum())
+        fro2_k = float((dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum())
+        return (1.0 if finite else 0.0), fro2_q, fro2_k, gg_G, weight_G
+
+    def _operators(self, source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
+                   weight_G: torch.Tensor, fro2_q: float, fro2_k: float) -> tuple:
+        """This rank's parts of the sketched operator and its adjoint (local, no collective):
+        ``(matmat, rmatmat, rows of the operator, rank bound, ||op||_F^2 or None)``."""
+        (wq0, wq1), (wk0, wk1) = pair
         heads_G, d_head, d_model = source.num_heads, wq1.shape[1], wq1.shape[2]
         device, dtype = wq1.device, wq1.dtype
         hk = source.head_index.numel() * d_head
@@ -448,12 +486,28 @@ class QKUpdateMonitor:
 
             n_out, fro2 = n_groups * d_head, fro2_k
             bound = min(n_out, d_model)
+        return matmat, rmatmat, n_out, bound, fro2
+
+    def _sketch(self, source: QKSource, step: int, term: str, pair: tuple,
+                gg_G: torch.Tensor, weight_G: torch.Tensor, fro2_q: float,
+                fro2_k: float) -> SketchResult:
+        d_head, d_model = pair[0][1].shape[1], pair[0][1].shape[2]
+        n_out = {"delta2": d_model, "dwq": source.num_heads * d_head,
+                 "dwk": source.global_groups(pair[1][1].shape[0]) * d_head}[term]
+        failed: list[BaseException] = []
+        try:
+            matmat, rmatmat, n_out, bound, fro2 = self._operators(
+                source, term, pair, gg_G, weight_G, fro2_q, fro2_k)
+        except Exception as exc:  # noqa: BLE001 - the sketch's all-reduces must still happen
+            failed.append(exc)
+            matmat = rmatmat = _raising(exc)
+            bound, fro2 = min(n_out, d_model), None
+        group = source.sketch_group
         cfg = self.config.layer_sketch
         seed = self.seed
         term_id = LAYER_TERMS.index(term)
         generator = torch.Generator().manual_seed(
             (seed * 1_000_003 + source.layer * 7919 + term_id * 104_729 + step) % (2**62))
-        failed: list[BaseException] = []
         result = subspace_iteration(
             _guarded(matmat, n_out, group, failed), _guarded(rmatmat, d_model, group, failed),
             d_model, n_out, generator, rank=cfg.rank, oversample=cfg.oversample,
@@ -463,6 +517,15 @@ class QKUpdateMonitor:
         if float(comm.all_reduce_max(torch.tensor([float(bool(failed))]), group)[0]) > 0:
             raise failed[0] if failed else RuntimeError("layer sketch failed on another rank")
         return result
+
+
+def _raising(exc: BaseException) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An operator part that fails again (its setup failed): :func:`_guarded` sends zeros."""
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        raise exc
+
+    return call
 
 
 def _guarded(local: Callable[[torch.Tensor], torch.Tensor], rows: int, group: comm.Group,

@@ -294,27 +294,38 @@ class RouterMonitor:
         self._detach = []
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's sums of every layer in source order; NaN slots where a capture failed."""
-        device = comm.device_for_group(self.group)
-        sum_parts, max_parts = [], []
-        for source, capture in zip(self.sources, self.captures, strict=True):
-            size = num_slots(source.num_experts, self.num_bins)
-            try:
-                if capture.error is not None:
-                    raise capture.error
-                sums = capture.sums
-                if sums is None:
-                    sums = empty_sums(source.num_experts, self.num_bins, device)
-                if sums.sum_S.numel() != size:
-                    raise ValueError(f"captured {sums.sum_S.numel()} slots, expected {size}")
-                sum_S, max_1 = sums.sum_S, sums.lse_max.reshape(1)
-            except Exception as exc:  # noqa: BLE001 - the collective below must still happen
-                self._error(f"capture {source.name}", exc)
-                sum_S = torch.full((size,), math.nan)
-                max_1 = torch.full((1,), math.nan)
-            sum_parts.append(sum_S.to(device, torch.float64))
-            max_parts.append(max_1.to(device, torch.float64))
-        return torch.cat(sum_parts), torch.cat(max_parts)
+        """This rank's sums of every layer in source order, float64 on the group's device;
+        NaN slots where a capture failed, all NaN (same shapes) when packing itself failed, so
+        the all-reduces always happen and void exactly the failed layers on every rank."""
+        sizes = [num_slots(s.num_experts, self.num_bins) for s in self.sources]
+        try:
+            device = comm.device_for_group(self.group)
+            sum_parts, max_parts = [], []
+            for source, capture, size in zip(self.sources, self.captures, sizes, strict=True):
+                sum_S, max_1 = self._layer_sums(source, capture, size, device)
+                sum_parts.append(sum_S.to(device, torch.float64))
+                max_parts.append(max_1.to(device, torch.float64))
+            return torch.cat(sum_parts), torch.cat(max_parts)
+        except Exception as exc:  # noqa: BLE001 - the collectives must still happen
+            self._error("packing the routing sums", exc)
+            return (torch.full((sum(sizes),), math.nan, dtype=torch.float64),
+                    torch.full((len(sizes),), math.nan, dtype=torch.float64))
+
+    def _layer_sums(self, source: RouterSource, capture: RoutingCapture, size: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's ``([size] sums, [1] log-sum-exp max)``; NaN when its capture failed."""
+        try:
+            if capture.error is not None:
+                raise capture.error
+            sums = capture.sums
+            if sums is None:
+                sums = empty_sums(source.num_experts, self.num_bins, device)
+            if sums.sum_S.numel() != size:
+                raise ValueError(f"captured {sums.sum_S.numel()} slots, expected {size}")
+            return sums.sum_S, sums.lse_max.reshape(1)
+        except Exception as exc:  # noqa: BLE001 - voids this layer only
+            self._error(f"capture {source.name}", exc)
+            return torch.full((size,), math.nan), torch.full((1,), math.nan)
 
     def _token_signals(self, sum_flat: torch.Tensor, max_flat: torch.Tensor) -> dict[str, float]:
         """Routing statistics of every layer from the reduced sums (one host transfer)."""

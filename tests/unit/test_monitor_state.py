@@ -20,7 +20,12 @@ import torch
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect import DetectorBank
-from mechmon_megatron.monitor import GLOBAL_SIGNALS, MechMon
+from mechmon_megatron.monitor import (
+    GLOBAL_SIGNALS,
+    MechMon,
+    MonitorError,
+    MonitorProtocolError,
+)
 from mechmon_megatron.sinks import JsonlSink
 
 
@@ -117,13 +122,22 @@ def run(mon: MechMon, steps: range) -> list:
     return verdicts
 
 
-def test_monitored_steps_follow_the_gcd_of_the_monitor_intervals(tmp_path) -> None:
+def test_each_monitor_keeps_its_own_schedule(tmp_path) -> None:
+    """No gcd collapse: intervals 4 and 6 monitor steps 4, 6, 8, 12 (not every second step),
+    and a monitor runs only on its own steps."""
     cfg = make_config(tmp_path)
     a, b = SyntheticMonitor(interval=4), SyntheticMonitor(interval=6)
     b.family = "router"
+    b.signal_names = lambda: ["router/entropy/mean/layer_1"]
+    b.end_step = lambda step: (calls.append(step), {"router/entropy/mean/layer_1": 1.0})[1]
+    calls: list[int] = []
     mon = MechMon(cfg).attach([a, b], sinks=[])
-    assert mon.interval == 2
-    assert [s for s in range(13) if mon.is_monitored(s)] == [0, 2, 4, 6, 8, 10, 12]
+    assert [s for s in range(1, 13) if mon.is_monitored(s)] == [4, 6, 8, 12]
+    verdicts = run(mon, range(1, 13))
+    assert calls == [6, 12] and a.observed == 3
+    assert [v.step for v in verdicts if v.monitored] == [4, 6, 8, 12]
+    router = [v.signals["router/entropy/mean/layer_1"] for v in verdicts if v.monitored]
+    assert [math.isnan(x) for x in router] == [True, False, True, False]
 
 
 def test_state_dict_resume_gives_the_same_signals_and_alarm_as_a_straight_run(tmp_path) -> None:
@@ -236,26 +250,51 @@ def test_state_loaded_before_attach_is_applied_at_attach(tmp_path) -> None:
     assert fresh.last_step == 10 and fresh.monitored_steps == 5 and monitor.observed == 5
 
 
-def test_monitor_errors_are_counted_and_never_raised(tmp_path) -> None:
-    class Broken(SyntheticMonitor):
+def test_caught_monitor_errors_are_counted_and_training_goes_on(tmp_path) -> None:
+    class Failing(SyntheticMonitor):
         def end_step(self, step: int) -> dict[str, float]:
-            raise RuntimeError("shard vanished")
+            return {}  # its local phase failed and was caught: nothing observed
 
         def coverage(self) -> dict[str, int]:
             return {"found": 2, "observed": 0, "skipped": 2, "errors": 1}
 
     cfg = make_config(tmp_path)
+    cfg.strict = False
     sink = JsonlSink(tmp_path / "m.jsonl")
-    mon = MechMon(cfg).attach([Broken()], sinks=[sink])
-    with pytest.warns(RuntimeWarning, match="shard vanished"):
-        verdicts = run(mon, range(1, 5))
+    mon = MechMon(cfg).attach([Failing()], sinks=[sink])
+    verdicts = run(mon, range(1, 5))
     assert [v.monitored for v in verdicts] == [False, True, False, True]
     assert math.isnan(verdicts[1].signals["attn/delta2/entropy/layer_1/min"])
-    assert mon.errors == 4
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[-1]["coverage"]["attn"] == {"found": 2, "observed": 0, "skipped": 2,
                                              "errors": 1, "memory_bytes": 0, "observed_min": 0}
-    assert lines[-1]["coverage"]["mechmon"] == {"errors": 4}
+
+
+def test_strict_mode_fails_the_step_on_a_counted_error(tmp_path) -> None:
+    class Failing(SyntheticMonitor):
+        def coverage(self) -> dict[str, int]:
+            return {"found": 2, "observed": 2, "skipped": 0, "errors": int(self.observed >= 2)}
+
+    cfg = make_config(tmp_path)
+    cfg.strict = True
+    mon = MechMon(cfg).attach([Failing()], sinks=[])
+    run(mon, range(1, 4))
+    with pytest.raises(MonitorError, match="step 4"):
+        run(mon, range(4, 5))
+
+
+def test_an_exception_escaping_a_monitor_stops_training_instead_of_mispairing(tmp_path) -> None:
+    class Broken(SyntheticMonitor):
+        def end_step(self, step: int) -> dict[str, float]:
+            raise RuntimeError("collective failed")
+
+    cfg = make_config(tmp_path)
+    cfg.strict = False
+    mon = MechMon(cfg).attach([Broken()], sinks=[])
+    assert not run(mon, range(1, 2))[0].monitored
+    with pytest.warns(RuntimeWarning, match="collective failed"), \
+            pytest.raises(MonitorProtocolError, match="out of step"):
+        run(mon, range(2, 3))
 
 
 def test_undeclared_signals_are_dropped_and_counted(tmp_path) -> None:
@@ -264,6 +303,7 @@ def test_undeclared_signals_are_dropped_and_counted(tmp_path) -> None:
             return {**super().end_step(step), "attn/bogus/x": 1.0}
 
     cfg = make_config(tmp_path)
+    cfg.strict = False
     mon = MechMon(cfg).attach([Extra()], sinks=[])
     with pytest.warns(RuntimeWarning, match="undeclared"):
         verdict = run(mon, range(2, 3))[0]

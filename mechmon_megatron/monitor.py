@@ -150,6 +150,8 @@ class MechMon:
         self._warned: set[str] = set()
         self._pending_state: dict[str, Any] | None = None
         self._errors_agreed = 0
+        self.last_coverage: dict[str, dict[str, int]] = {}
+        """The agreed coverage of the last monitored step (identical on every rank)."""
 
     def attach(
         self,
@@ -270,6 +272,7 @@ class MechMon:
             payload=self._coverage_payload(),
         )
         coverage = self._coverage(agreed)
+        self.last_coverage = coverage
         self._check_strict(step, coverage)
         alarm = None
         if agreed.alarm:
@@ -346,11 +349,17 @@ class MechMon:
         out["mechmon"] = {"errors": self.errors}
         return out
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able)."""
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able).
+
+        ``full``: monitors that split work over DP replicas (QK snapshots) gather every
+        replica's part (collective on every rank), for frameworks that save one copy per
+        model-parallel rank; a rank then keeps only its own part on load.
+        """
         return {
             "version": 1,
-            "monitors": [m.state_dict() for m in self.monitors],
+            "monitors": [m.full_state_dict() if full and hasattr(m, "full_state_dict")
+                         else m.state_dict() for m in self.monitors],
             "detectors": self.detectors.state_dict() if self.detectors is not None else None,
             "alarm": self.alarm.to_dict() if self.alarm is not None else None,
             "acknowledged": list(self.acknowledged),
@@ -384,16 +393,29 @@ class MechMon:
         self.errors = int(counters["errors"])
 
     def load_state_if_all(self, state: Mapping[str, Any] | None) -> bool:
-        """Load ``state`` only if every rank has one; collective (one MAX all-reduce).
+        """Load ``state`` only if every rank can; collective (one MAX all-reduce).
 
-        Detectors must stay identical across ranks, so a rank whose state file is missing or
-        unreadable makes every rank start on fresh baselines. Returns whether state was loaded.
+        Detectors must stay identical across ranks, so a rank whose state is missing,
+        unreadable or fails to load (caught, counted, warned) makes every rank start on fresh
+        baselines: the ranks that loaded roll back to the state they had before. Returns
+        whether the state was loaded.
         """
-        missing = comm.all_reduce_max(torch.tensor([0 if state is not None else 1]))
-        if int(missing.item()) != 0:
-            return False
-        self.load_state_dict(state)
-        return True
+        fresh = self.state_dict() if state is not None else None
+        ok = state is not None
+        if ok:
+            try:
+                self.load_state_dict(state)
+            except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
+                self._error("state load", exc)
+                ok = False
+        missing = comm.all_reduce_max(torch.tensor([0 if ok else 1]), self.group)
+        if int(missing.item()) == 0:
+            return True
+        if fresh is not None:
+            errors = self.errors
+            self.load_state_dict(fresh)
+            self.errors = errors  # the failed load stays counted
+        return False
 
     def close(self) -> None:
         """Detach the monitors' hooks (those that install any) and close the sinks."""

@@ -10,7 +10,9 @@ single SUM all-reduce of two fixed-shape float64 tensors over the world group:
 Data-parallel replicas own identical copies of a signal; averaging identical float64 values is
 exact. A name no rank owned this step comes back as NaN ("not observed"); a name some rank
 observed as non-finite comes back as +inf ("observed, not finite"), so detectors can tell the two
-apart.
+apart. A rank that owns a name but failed to compute its part emits ``None`` ("void"): the name
+comes back as NaN on every rank, even where other ranks sent their parts (a partial sum would be
+silently wrong).
 
 Names are hierarchical and stable: ``<family>/<signal>/<stat>[/layer_<L>[/head_<H>]]`` with
 family one of ``attn``, ``router``, ``fp8``,
@@ -40,26 +42,30 @@ def family_of(name: str) -> str:
 
 
 def reduce_signals(
-    local: Mapping[str, float], names: Iterable[str], group: comm.Group = None
+    local: Mapping[str, float | None], names: Iterable[str], group: comm.Group = None
 ) -> dict[str, float]:
     """Combine per-rank signals into the full table, identical on every rank of ``group``.
 
     Args:
-        local: signals this rank computed; keys must be a subset of ``names``.
+        local: signals this rank computed (``None``: void); keys must be a subset of
+            ``names``.
         names: every signal name of the model; the same sorted list on every rank.
         group: ranks to combine over (default: world).
 
     Returns:
-        ``{name: value}`` in ``names`` order; NaN where no rank owned the name, +inf where a
-        rank's value was non-finite (a defined value, never an exception).
+        ``{name: value}`` in ``names`` order; NaN where no rank owned the name or a rank voided
+        it, else +inf where a rank's value was non-finite (a defined value, never an exception).
     """
     names = list(names)
     index = {n: i for i, n in enumerate(names)}
     unknown = [k for k in local if k not in index]
     if unknown:
         raise KeyError(f"signals not declared at attach time: {sorted(unknown)[:5]}")
-    packed = torch.zeros(3, len(names), dtype=torch.float64)
+    packed = torch.zeros(4, len(names), dtype=torch.float64)
     for key, value in local.items():
+        if value is None:
+            packed[3, index[key]] = 1.0
+            continue
         v = float(value)
         if math.isfinite(v):
             packed[0, index[key]] = v
@@ -67,7 +73,8 @@ def reduce_signals(
             packed[2, index[key]] = 1.0
         packed[1, index[key]] = 1.0
     packed = comm.all_reduce_sum(packed, group)
-    total, count, nonfinite = packed[0], packed[1], packed[2]
+    total, count, nonfinite, void = packed[0], packed[1], packed[2], packed[3]
     values = torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, math.nan))
     values = torch.where(nonfinite > 0, torch.full_like(total, math.inf), values)
+    values = torch.where(void > 0, torch.full_like(total, math.nan), values)
     return dict(zip(names, values.tolist(), strict=True))

@@ -20,7 +20,8 @@ What :func:`attach` hooks on the engine instance (DeepSpeed itself is not edited
                                      advanced and was_step_applied() (fp16 overflow steps are
                                      skipped): mon.end_step(global_steps, loss=mean micro-batch
                                      loss, grad_norm=engine.get_global_grad_norm())
-    engine.save_checkpoint           client_state["mechmon"] = mon.state_dict(); the checkpoint
+    engine.save_checkpoint           client_state["mechmon"] = mon.state_dict(full=True) (the QK
+                                     snapshots of every DP replica's layers); the checkpoint
                                      is noted for the alarm's "last checkpoint before onset"
     engine.load_checkpoint           client_state["mechmon"] -> mon.load_state_dict, then
                                      mon.check_resume(checkpoint)  (collective)
@@ -37,8 +38,10 @@ checkpoint unchanged re-raises the alarm in ``load`` (same exit code, before any
 ``actions.acknowledge: <alarm_id>`` re-arms detection on fresh baselines instead.
 
 DeepSpeed writes ``client_state`` once per model-parallel rank (from data-parallel rank 0) and every
-data-parallel replica loads that copy. That is right for mechmon: its state (weight snapshots of
-every layer, detector baselines, the alarm) is identical on every data-parallel replica.
+data-parallel replica loads that copy. Detector state and the alarm are identical on every
+replica; the QK work is split over the DP replicas (layer L on DP rank ``(L - 1) % DP``, which
+alone keeps its snapshot), so the save gathers every replica's snapshots into that one copy and
+each rank keeps its own layers on load (also under another DP size).
 
 Groups: the QK sketch runs on ``comm.SELF`` (every DP rank holds all heads, so the sketch needs
 no communication); routing statistics are
@@ -120,13 +123,19 @@ def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> lis
         if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
             raise ValueError("mechmon.qk: tensor-parallel DeepSpeed engines are not supported by "
                              "the HF-style QK layout; set qk.enabled: false")
-        sources = hf_qk_sources(engine.module, comm.SELF)
+        collective = bool(engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled()
+                          or engine.fp16_enabled())
+        sources = hf_qk_sources(engine.module, comm.SELF, collective=collective)
         layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
         if not layers:
             raise ValueError("mechmon.qk.enabled is true but the model has no attention module "
                              "with q_proj/k_proj or a fused query_key_value/linear_qkv; set "
                              "qk.enabled: false")
-        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=layers, seed=config.seed))
+        monitors.append(QKUpdateMonitor(
+            config.qk, sources, all_layers=layers, seed=config.seed,
+            dp_rank=groups._get_data_parallel_rank(),
+            dp_size=groups._get_data_parallel_world_size(),
+            dp_group=groups._get_data_parallel_group()))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.deepspeed_moe import topk_gate_sources
         from mechmon_megatron.monitors.router import RouterMonitor
@@ -300,7 +309,7 @@ class DeepSpeedMechMon:
         path = os.path.join(str(save_dir), str(tag if tag is not None else f"global_step{step}"))
         self.mon.note_checkpoint(step, path)
         state = dict(client_state or {})
-        state[CONFIG_KEY] = self.mon.state_dict()
+        state[CONFIG_KEY] = self.mon.state_dict(full=True)  # collective: every rank saves
         return self._originals["save_checkpoint"](save_dir, tag, state, *args, **kwargs)
 
     def _load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any,

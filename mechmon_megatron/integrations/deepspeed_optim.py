@@ -125,7 +125,6 @@ class _Adam:
             inner = getattr(inner, "optimizer", inner)
         self.inner = inner
         self.index = _group_index(engine)
-        self._cache: tuple[int, AdamState | None] | None = None
         self._warned = False
 
     def _group(self, p: torch.nn.Parameter) -> tuple[dict, dict]:
@@ -174,10 +173,6 @@ class _Adam:
         return int(comm.all_reduce_max(torch.tensor([local], dtype=torch.int64)).item())
 
     def __call__(self) -> AdamState | None:
-        step = int(self.engine.global_steps)
-        if self._cache is not None and self._cache[0] == step:
-            state, self._cache = self._cache[1], None  # ready() then estimate(): one gather
-            return state
         vote = self._vote()
         if vote == _UNSUPPORTED:
             if not self._warned:
@@ -186,9 +181,7 @@ class _Adam:
                               "Adam exp_avg_sq; the probe needs an Adam-type optimizer",
                               RuntimeWarning, stacklevel=2)
             raise ValueError("optim.sharpness: not an Adam-type optimizer")
-        state = self._gather() if vote == _READY else None
-        self._cache = (step, state)
-        return state
+        return self._gather() if vote == _READY else None
 
     def _gather(self) -> AdamState:
         from deepspeed.utils import safe_get_full_optimizer_state
@@ -243,12 +236,15 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     def read() -> list[torch.Tensor]:
         return [full_fp32_weight(p) for p in params]
 
+    # DeepSpeed's fp32 reads are its own collectives: the whole read is the exchange phase.
+    phases = {"read": lambda: None, "exchange": lambda _: (read(), False)}
+
     why = _probe_unavailable(engine, params) if sharpness else None
     if why is not None:
         warnings.warn(f"mechmon: optim.sharpness is off on this engine: {why}; reporting "
                       "update ratios only", RuntimeWarning, stacklevel=3)
     if not sharpness or batch is None or why is not None:
-        return OptimSource(entries, read)
+        return OptimSource(entries, **phases)
 
     from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
@@ -281,4 +277,4 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
         return grads
 
     probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch))
-    return OptimSource(entries, read, probe)
+    return OptimSource(entries, probe=probe, **phases)

@@ -22,13 +22,14 @@ under a saved-and-restored RNG (torch, CUDA, megatron's tracker) and with every 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.layouts.megatron_qkv import fp32_weight
+from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
 from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, isolated
@@ -157,7 +158,7 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
             names.append(name)
 
     def read() -> list[torch.Tensor]:
-        return [fp32_weight(p, optimizer) for p in tensors]
+        return [local_fp32(p, optimizer) for p in tensors]
 
     probe = None
     single = len(model_chunks) == 1 and ps.get_pipeline_model_parallel_world_size() == 1
@@ -180,4 +181,31 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
             return adam_state(optimizer, tensors)
 
         probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state)
-    return OptimSource(entries, read, probe)
+    return OptimSource(entries, read, probe, exchange=_exchange(tensors, optimizer))
+
+
+def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any
+              ) -> Callable[[list[torch.Tensor] | None], tuple[list[torch.Tensor], bool]]:
+    """The collective phase of the fp32 reads: one ``comm.sum_or_void`` per DP group of
+    sharded main params (all their parts flattened), in the same order on every rank."""
+    groups = [fp32_sum_group(p, optimizer) for p in params]
+    order: list[Any] = []
+    for g in groups:
+        if g is not None and not any(g is o for o in order):
+            order.append(g)
+    shapes = [tuple(p.shape) for p in params]
+
+    def exchange(parts: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], bool]:
+        void = parts is None
+        out = list(parts) if parts is not None else [torch.zeros(s) for s in shapes]
+        for group in order:
+            idx = [i for i, g in enumerate(groups) if g is group]
+            flat = torch.cat([out[i].reshape(-1) for i in idx]) if not void else None
+            total, void = comm.sum_or_void(flat, (sum(math.prod(shapes[i]) for i in idx),),
+                                           group, void)
+            for i, piece in zip(idx, total.split([math.prod(shapes[i]) for i in idx]),
+                                strict=True):
+                out[i] = piece.view(shapes[i])
+        return out, void
+
+    return exchange

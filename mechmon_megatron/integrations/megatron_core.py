@@ -20,6 +20,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import (
     find_attention_modules,
+    fp32_sum_group,
     qk_layout,
     qk_read_phases,
 )
@@ -51,7 +52,8 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
             layer=int(attn.layer_number), name=name, num_heads=layout["num_heads"],
             head_index=layout["head_index"], group_index=layout["group_index"], read=read,
             sketch_group=tp_group, num_groups=layout["num_groups"], exchange=exchange,
-            finish=finish))
+            finish=finish,
+            dp_exchange=fp32_sum_group(attn.linear_qkv.weight, optimizer) is not None))
     return sources
 
 
@@ -73,8 +75,13 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         if not all_layers:
             raise ValueError("qk.enabled is true but the model has no megatron-core "
                              "SelfAttention layers; set qk.enabled: false")
-        monitors.append(QKUpdateMonitor(config.qk, sources, all_layers=all_layers,
-                                        seed=config.seed))
+        from megatron.core import parallel_state as ps
+
+        monitors.append(QKUpdateMonitor(
+            config.qk, sources, all_layers=all_layers, seed=config.seed,
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+            dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.megatron_router import router_sources
         from mechmon_megatron.monitors.router import RouterMonitor

@@ -214,10 +214,19 @@ def _reader(info: dict[str, Any],
     return read
 
 
+def _phases(read: Callable[[], tuple[torch.Tensor, torch.Tensor]], collective: bool
+            ) -> dict[str, Any]:
+    """``QKSource`` read fields: ``read`` as the local phase, or as the exchange phase."""
+    if not collective:
+        return {"read": read}
+    return {"read": lambda: None, "exchange": lambda _: (read(), False), "dp_exchange": True}
+
+
 def hf_qk_sources(
     model: torch.nn.Module,
     sketch_group: comm.Group,
     weight_fn: Callable[[torch.nn.Parameter], torch.Tensor] = full_fp32_weight,
+    collective: bool = True,
 ) -> list[QKSource]:
     """One :class:`QKSource` per recognised attention module of ``model`` (all heads local).
 
@@ -225,6 +234,10 @@ def hf_qk_sources(
         model: the engine's module (``engine.module``), identical on every DP rank.
         sketch_group: ``comm.SELF`` (every rank holds all heads).
         weight_fn: full fp32 weight of a parameter; collective, same order on every rank.
+        collective: whether ``weight_fn`` runs collectives (DeepSpeed's fp32 reads do under
+            ZeRO 1-3 and its mixed-precision optimizers): then the whole read is the source's
+            exchange phase (its failure cannot be voided and stops training, see
+            ``MechMon``); else its local phase (a failure voids the layer).
 
     Raises:
         UnsupportedAttentionError: see :func:`find_hf_attention`; also two modules with the
@@ -239,9 +252,9 @@ def hf_qk_sources(
             num_heads=heads,
             head_index=torch.arange(heads),
             group_index=torch.arange(heads) // (heads // groups),
-            read=_reader(info, weight_fn),
             sketch_group=sketch_group,
             num_groups=groups,
+            **_phases(_reader(info, weight_fn), collective),
         ))
     layers = [s.layer for s in sources]
     if len(set(layers)) != len(layers):

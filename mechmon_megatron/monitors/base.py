@@ -5,8 +5,14 @@ reduces them once over the world (:func:`mechmon_megatron.signals.reduce_signals
 never reduces signals itself. A monitor may also define ``derive(table) -> dict[str, float]``:
 signals computed from the reduced table (e.g. per-layer statistics over heads that live on
 different TP ranks), pure and therefore identical on every rank; it is optional, so it is not
-part of :class:`Monitor`. A monitor never raises inside a training step: errors are caught,
-counted in :meth:`Monitor.coverage`, warned once, and the affected signals are NaN.
+part of :class:`Monitor`.
+
+Collective safety (``comm`` rule 5): a monitor's local phases (reading its shard, local math)
+may fail; it catches the failure, counts it in :meth:`Monitor.coverage`, warns once, and still
+issues every collective of its step with the agreed shapes, carrying a void flag. A signal it
+owns but could not compute is left out or, where other ranks add parts of the same name, emitted
+as ``None`` (void: NaN on every rank after the reduction). What escapes ``end_step`` stops
+training (``MechMon``).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ class Monitor(Protocol):
 
     Attributes:
         family: ``attn``, ``router`` or ``global``.
-        interval: monitored steps are ``step % interval == 0`` (the orchestrator takes the gcd).
+        interval: this monitor's steps are ``step % interval == 0``; the orchestrator calls
+            ``end_step`` on those steps only.
     """
 
     family: str
@@ -40,8 +47,9 @@ class Monitor(Protocol):
         """Before forward/backward of ``step``."""
         ...
 
-    def end_step(self, step: int) -> dict[str, float]:
-        """After the optimizer step of ``step`` (``step`` counts applied updates); local signals."""
+    def end_step(self, step: int) -> dict[str, float | None]:
+        """After the optimizer step of ``step`` (``step`` counts applied updates), on this
+        monitor's steps only; local signals (``None``: void)."""
         ...
 
     def coverage(self) -> dict[str, int]:

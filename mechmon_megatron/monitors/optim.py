@@ -75,8 +75,12 @@ class OptimSource:
 
     Attributes:
         params: one entry per local trainable parameter, in ``read()`` order.
-        read: ``() -> list of fp32 tensors``, the weights the optimizer updates (fp32 main
-            params where kept); may be collective.
+        read: the local phase (no collective, may fail): ``() -> list of fp32 tensors``, the
+            weights the optimizer updates (fp32 main params where kept), or with ``exchange``
+            this rank's parts of them.
+        exchange: the collective phase, ``parts | None -> (weights, void)`` (fixed shapes on
+            every rank; None parts: the local phase failed; ``void`` true everywhere when it
+            failed anywhere), as ``QKSource.exchange``. None: ``read`` is complete.
         probe: the curvature probe, or None (no sharpness).
         group: the ranks that share the model (world).
     """
@@ -85,6 +89,7 @@ class OptimSource:
     read: Callable[[], list[torch.Tensor]]
     probe: CurvatureProbe | None = None
     group: comm.Group = None
+    exchange: Callable[[list[torch.Tensor] | None], tuple[list[torch.Tensor], bool]] | None = None
 
     def keys(self) -> list[str]:
         """This rank's keys, sorted."""
@@ -148,7 +153,9 @@ class OptimMonitor:
         if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
             self.snapshot = None
             if self.due(step):
-                self.snapshot, self.snapshot_step = self._copy(self.source.read()), step - 1
+                weights = self._weights()
+                if weights is not None:
+                    self.snapshot, self.snapshot_step = self._copy(weights), step - 1
 
     def end_step(self, step: int) -> dict[str, float]:
         """Update ratios and, every ``sharpness.interval`` steps, the sharpness."""
@@ -156,8 +163,9 @@ class OptimMonitor:
             return {}
         out: dict[str, float] = {}
         if self.config.update_ratio.enabled:
+            weights = self._weights()  # collective when the source has an exchange phase
             try:
-                out.update(self._ratios(step))
+                out.update(self._ratios(step, weights))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
         if self.estimator is not None and step % self.sharp_every == 0:
@@ -213,8 +221,24 @@ class OptimMonitor:
         device = torch.device("cpu") if self.config.update_ratio.offload_snapshots else None
         return [w.detach().to(device or w.device, torch.float32, copy=True) for w in weights]
 
-    def _ratios(self, step: int) -> dict[str, float]:
-        current = self.source.read()
+    def _weights(self) -> list[torch.Tensor] | None:
+        """Local phase (caught), then the exchange every rank joins; None when void."""
+        parts = None
+        try:
+            parts = self.source.read()
+        except Exception as exc:  # noqa: BLE001 - becomes the void flag of the exchange
+            self._error("read", exc)
+        if self.source.exchange is None:
+            return parts
+        weights, void = self.source.exchange(parts)
+        return None if void else weights
+
+    def _ratios(self, step: int, current: list[torch.Tensor] | None
+                ) -> dict[str, float | None]:
+        if current is None:  # void on some rank: this rank's parts would make wrong sums
+            self.snapshot = None
+            return {f"optim/{stat}/{key}": None for key in set(self.keys)
+                    for stat in ("update_sq", "weight_sq")}
         before = self.snapshot
         if self.config.update_ratio.window == "interval":
             self.snapshot, self.snapshot_step = self._copy(current), step

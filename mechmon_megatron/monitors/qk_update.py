@@ -89,6 +89,8 @@ class QKSource:
             everywhere when any rank's local phase failed (``comm.sum_or_void``). None: ``read``
             is complete.
         finish: ``payload -> (wq_HKD, wk_GKD)`` after ``exchange`` (no collective).
+        dp_exchange: ``exchange`` runs collectives over the data-parallel group (sharded fp32
+            main params), so every DP rank joins it, also those that do not own the layer.
     """
 
     layer: int
@@ -101,6 +103,7 @@ class QKSource:
     num_groups: int | None = None
     exchange: Callable[[Any], tuple[Any, bool]] | None = None
     finish: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
+    dp_exchange: bool = False
 
     def rows(self, on_error: Callable[[str, BaseException], None]
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -165,18 +168,25 @@ class QKUpdateMonitor:
             for :meth:`signal_names`; default: the local sources.
         seed: seed of the layer sketches' random test matrices (``MechMonConfig.seed``; the same
             on every rank).
+        dp_rank, dp_size, dp_group: this rank's data-parallel replica among ``dp_size`` that
+            hold the same weights. Layer L is computed by replica ``(L - 1) % dp_size`` only
+            (all TP ranks of that replica, so the sketch stays within one TP group); the
+            others skip it (joining only a DP collective of its read) and keep no snapshot.
+            Its signals reach every rank through the one SUM all-reduce.
 
-    Coverage: ``found`` local layers; ``observed`` / ``skipped`` layers with finite / degenerate
-    (zero or non-finite update) results at the last monitored step; ``errors`` caught so far.
+    Coverage: ``found`` layers this rank owns; ``observed`` / ``skipped`` layers with finite /
+    degenerate (zero or non-finite update) results at the last monitored step; ``errors`` caught
+    so far.
     """
 
     family = "attn"
 
     def __init__(
         self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None,
-        seed: int = 1234,
+        seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, dp_group: comm.Group = comm.SELF,
     ) -> None:
         self.config, self.seed = config, int(seed)
+        self.dp_rank, self.dp_size, self.dp_group = int(dp_rank), int(dp_size), dp_group
         self.interval = int(config.interval)
         wanted = config.layers
         self.sources = [s for s in sources if wanted == "all" or s.layer in wanted]
@@ -226,8 +236,15 @@ class QKUpdateMonitor:
         self._observed = self._skipped = 0
         out: dict[str, float] = {}
         for source in self.sources:
-            out.update(self._observe(source, step))
+            if self.owns(source.layer):
+                out.update(self._observe(source, step))
+            elif source.dp_exchange:
+                source.rows(lambda where, exc, s=source: self._error(s, where, exc))
         return out
+
+    def owns(self, layer: int) -> bool:
+        """Whether this rank's DP replica computes ``layer`` (``(layer - 1) % dp_size``)."""
+        return (layer - 1) % self.dp_size == self.dp_rank
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
         """Per-layer mean/min/max over heads from the reduced table (see :func:`layer_stats`)."""
@@ -237,20 +254,46 @@ class QKUpdateMonitor:
         """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring) and
         ``memory_bytes`` held by the snapshots."""
         memory = sum(t.numel() * t.element_size() for snap in self.snapshots.values()
-                     for key, t in snap.items() if key != "step" and t is not None)
-        return {"found": len(self.sources), "observed": self._observed,
+                     for t in snap.values() if isinstance(t, torch.Tensor))
+        owned = sum(self.owns(s.layer) for s in self.sources)
+        return {"found": owned, "observed": self._observed,
                 "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
 
     def state_dict(self) -> dict[str, Any]:
-        """Snapshots (CPU tensors) with their steps, and the error counter."""
+        """This rank's snapshots (CPU tensors, owned layers only) with their steps and global
+        head indices, and the error counter."""
         snaps = {layer: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
                          for k, v in s.items()} for layer, s in self.snapshots.items()}
-        return {"version": 1, "snapshots": snaps, "errors": self.errors}
+        return {"version": 2, "snapshots": snaps, "errors": self.errors}
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """:meth:`state_dict` with the snapshots of every DP replica of this rank's heads (one
+        object all-gather over ``dp_group``; collective): for frameworks that save one copy per
+        model-parallel rank (DeepSpeed's client_state)."""
+        sd = self.state_dict()
+        for part in comm.all_gather_object(sd["snapshots"], self.dp_group):
+            sd["snapshots"].update(part)
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore snapshots; they move to the weights' device on first use unless offloaded."""
-        self.snapshots = {int(k): dict(v) for k, v in sd.get("snapshots", {}).items()}
+        """Restore the snapshots of the layers this rank owns whose saved heads are the heads it
+        holds now; the others are dropped (re-snapshotted at the next monitored step, warned:
+        a resume under another TP layout never diffs different heads)."""
         self.errors = int(sd.get("errors", 0))
+        heads = {s.layer: s.head_index.tolist() for s in self.sources if self.owns(s.layer)}
+        self.snapshots, dropped = {}, []
+        for layer, snap in sd.get("snapshots", {}).items():
+            layer = int(layer)
+            if layer not in heads:
+                continue
+            if snap.get("heads") is not None and list(snap["heads"]) != heads[layer]:
+                dropped.append(layer)
+                continue
+            self.snapshots[layer] = dict(snap)
+        if dropped:
+            self._warn_once("resnap", f"layers {dropped}: saved snapshots hold other heads than "
+                            "this rank now (another TP layout); they are re-snapshotted at the "
+                            "next monitored step (one window without QK signals)")
 
     # -- internals -------------------------------------------------------------------------
 
@@ -298,7 +341,8 @@ class QKUpdateMonitor:
         wk = wk.detach().to(snap_dtype).float() if bf16 else wk.detach().float()
         prev = self.snapshots.get(source.layer)
         device = torch.device("cpu") if self.config.offload_snapshots else wq.device
-        snap = {"step": step, "wq": wq.to(device, snap_dtype, copy=True),
+        snap = {"step": step, "heads": source.head_index.tolist(),
+                "wq": wq.to(device, snap_dtype, copy=True),
                 "wk": wk.to(device, snap_dtype, copy=True)}
         self._older = None
         if prev is None or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape:
@@ -351,8 +395,8 @@ class QKUpdateMonitor:
         if len(heads) == source.num_heads:
             return stats
         self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
-                        "per_head=True; emitting NaN")
-        return {k: (v if k.endswith("/mean") else math.nan) for k, v in stats.items()}
+                        "per_head=True; they are not emitted")
+        return {k: v for k, v in stats.items() if k.endswith("/mean")}
 
     def _form_signals(self, source: QKSource, q: tuple, k: tuple) -> dict[str, float]:
         """Per-head cosine of successive form updates and sigma_1 of the form (one transfer)."""
@@ -382,14 +426,18 @@ class QKUpdateMonitor:
         except Exception as exc:  # noqa: BLE001 - the agreement below must still happen
             self._error(source, "layer sketch inputs", exc)
             ready, fro2_q, fro2_k, gg_G, weight_G = 0.0, 0.0, 0.0, None, None
-        agree = comm.all_reduce_sum(torch.tensor([ready, fro2_q, fro2_k], dtype=torch.float64),
-                                    group)
+        nonfinite = float(pair is not None and ready == 0.0 and gg_G is not None)
+        agree = comm.all_reduce_sum(
+            torch.tensor([ready, fro2_q, fro2_k, nonfinite], dtype=torch.float64), group)
         if int(round(float(agree[0]))) != comm.world_size(group):
+            if float(agree[3]) > 0:  # observed, not finite (+inf after the reduction)
+                return {f"attn/layer_{t}/{m}/layer_{source.layer}": math.inf
+                        for t in self.layer_terms for m in LAYER_METRICS}
             if pair is not None:
-                self._warn_once(f"sketch:{source.layer}", f"layer {source.layer}: some rank of "
-                                "its sketch group has no finite update; layer sketch is NaN")
-            return {f"attn/layer_{t}/{m}/layer_{source.layer}": math.nan
-                    for t in self.layer_terms for m in LAYER_METRICS} if pair is not None else {}
+                self._warn_once(f"sketch:{source.layer}", f"layer {source.layer}: a rank of its "
+                                "sketch group could not read or prepare it; the layer sketch is "
+                                "not observed this step")
+            return {}  # void: not observed (NaN after the reduction)
         out: dict[str, float] = {}
         for term in self.layer_terms:
             try:

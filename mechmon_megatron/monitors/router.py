@@ -228,6 +228,7 @@ class RouterMonitor:
                 "all_layers and are not monitored",
             )
         self.captures = [RoutingCapture(self.num_bins, s.score_function) for s in self.sources]
+        self._sizes = [num_slots(s.num_experts, self.num_bins) for s in self.sources]
         self._detach = [s.attach(c) for s, c in zip(self.sources, self.captures, strict=True)]
         self._observed = 0
         self._skipped = 0
@@ -294,26 +295,30 @@ class RouterMonitor:
         self._detach = []
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's sums of every layer in source order, float64 on the group's device;
-        NaN slots where a capture failed, all NaN (same shapes) when packing itself failed, so
-        the all-reduces always happen and void exactly the failed layers on every rank."""
-        sizes = [num_slots(s.num_experts, self.num_bins) for s in self.sources]
+        """This rank's sums of every layer in source order and ``[L, 2]`` (log-sum-exp max, void
+        flag) flattened, float64 on the group's device. A failed capture (or packing) sends
+        zeros and the void flag in the same shapes: the all-reduces always happen, and the MAX
+        of the flag voids exactly the failed layers on every rank."""
+        sizes = self._sizes
         try:
             device = comm.device_for_group(self.group)
             sum_parts, max_parts = [], []
             for source, capture, size in zip(self.sources, self.captures, sizes, strict=True):
-                sum_S, max_1 = self._layer_sums(source, capture, size, device)
+                sums = self._layer_sums(source, capture, size, device)
+                void = torch.zeros(1) if sums is not None else torch.ones(1)
+                sum_S, max_1 = sums if sums is not None else (torch.zeros(size), torch.zeros(1))
                 sum_parts.append(sum_S.to(device, torch.float64))
-                max_parts.append(max_1.to(device, torch.float64))
+                max_parts.append(torch.cat([max_1.reshape(1).to(device, torch.float64),
+                                            void.to(device, torch.float64)]))
             return torch.cat(sum_parts), torch.cat(max_parts)
         except Exception as exc:  # noqa: BLE001 - the collectives must still happen
             self._error("packing the routing sums", exc)
-            return (torch.full((sum(sizes),), math.nan, dtype=torch.float64),
-                    torch.full((len(sizes),), math.nan, dtype=torch.float64))
+            void_L2 = torch.tensor([[0.0, 1.0]] * len(sizes), dtype=torch.float64)
+            return torch.zeros(sum(sizes), dtype=torch.float64), void_L2.reshape(-1)
 
     def _layer_sums(self, source: RouterSource, capture: RoutingCapture, size: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's ``([size] sums, [1] log-sum-exp max)``; NaN when its capture failed."""
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One layer's ``([size] sums, [1] log-sum-exp max)``; None when its capture failed."""
         try:
             if capture.error is not None:
                 raise capture.error
@@ -325,19 +330,20 @@ class RouterMonitor:
             return sums.sum_S, sums.lse_max.reshape(1)
         except Exception as exc:  # noqa: BLE001 - voids this layer only
             self._error(f"capture {source.name}", exc)
-            return torch.full((size,), math.nan), torch.full((1,), math.nan)
+            return None
 
     def _token_signals(self, sum_flat: torch.Tensor, max_flat: torch.Tensor) -> dict[str, float]:
-        """Routing statistics of every layer from the reduced sums (one host transfer)."""
+        """Routing statistics of every layer from the reduced sums (one host transfer); a layer
+        voided on any rank of the group is omitted (not observed)."""
         sums, maxima = sum_flat.tolist(), max_flat.tolist()
         out, offset = {}, 0
-        for source, lse_max in zip(self.sources, maxima, strict=True):
-            size = num_slots(source.num_experts, self.num_bins)
-            stats = routing_stats(
-                sums[offset : offset + size], lse_max, source.num_experts, self.num_bins
-            )
+        for i, (source, size) in enumerate(zip(self.sources, self._sizes, strict=True)):
+            lse_max, void = maxima[2 * i], maxima[2 * i + 1]
+            if not void:
+                stats = routing_stats(sums[offset : offset + size], lse_max, source.num_experts,
+                                      self.num_bins)
+                out.update({f"router/{k}/layer_{source.layer}": v for k, v in stats.items()})
             offset += size
-            out.update({f"router/{k}/layer_{source.layer}": v for k, v in stats.items()})
         return out
 
     def _weight_signals(self) -> dict[str, float]:

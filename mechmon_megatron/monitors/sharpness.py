@@ -132,29 +132,41 @@ class SharpnessEstimator:
     def __init__(self, config: Any, probe: CurvatureProbe) -> None:
         self.config, self.probe = config, probe
         self.vector: list[torch.Tensor] | None = None
+        self._inputs: tuple | None = None
 
     def ready(self) -> bool:
-        """Whether every rank has a cached batch and optimizer state (one MAX all-reduce)."""
-        local = 0
+        """Prepare this rank's inputs (optimizer state, preconditioner, start vector: local, may
+        fail) and vote (one MAX all-reduce): True when every rank of the group is ready."""
+        local = 1
         try:
-            local = int(self.probe.adam() is None)
-        except Exception:  # noqa: BLE001 - a rank that cannot read its state votes "not ready"
-            local = 1
+            self._inputs = self._prepare()
+            local = int(self._inputs is None)
+        except Exception:  # noqa: BLE001 - a rank that cannot prepare votes "not ready"
+            self._inputs = None
         vote = comm.all_reduce_max(torch.tensor([local], dtype=torch.int64), self.probe.group)
         return int(vote.item()) == 0
 
-    def estimate(self) -> dict[str, float]:
-        """``eos_ratio`` (eta lambda / threshold), ``lambda`` (per unit of the largest LR),
-        ``iters`` and ``residual``; collective on every rank of the probe's group."""
+    def _prepare(self) -> tuple | None:
+        """``(state, scale, params, start)`` or None before the optimizer holds state."""
         state = self.probe.adam()
+        if state is None:
+            return None
         scale = [(lr / d).sqrt() for lr, d in zip(state.lrs, state.denominators, strict=True)]
         params = [p.detach() for p in self.probe.params]
-        weight_norm = math.sqrt(max(self.probe.dot(params, params), 0.0))
         if self.vector is None:
             # Cold start: the preconditioned momentum direction lies mostly in the top Hessian
             # subspace and is identical on every replica (unlike fresh random draws).
             self.vector = [s * m.float() for s, m in zip(scale, state.momentum, strict=True)]
         start = [v.to(p.device, p.dtype) for v, p in zip(self.vector, params, strict=True)]
+        return state, scale, params, start
+
+    def estimate(self) -> dict[str, float]:
+        """``eos_ratio`` (eta lambda / threshold), ``lambda`` (per unit of the largest LR),
+        ``iters`` and ``residual``, after :meth:`ready` said True; collective on every rank of
+        the probe's group (its products run the model's own forward/backward collectives)."""
+        state, scale, params, start = self._inputs
+        self._inputs = None
+        weight_norm = math.sqrt(max(self.probe.dot(params, params), 0.0))
         if not self.probe.dot(start, start) > 0.0:
             start = [s.clone() for s in scale]
 

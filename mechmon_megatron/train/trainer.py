@@ -436,8 +436,7 @@ class _Trainer:
         self.last_checkpoint = state["path"]
         if self.mon is None:
             return None
-        if state["mechmon"] is not None:
-            self.mon.load_state_dict(state["mechmon"])
+        self.mon.load_state_if_all(state["mechmon"])
         return self.mon.check_resume(state["path"])
 
     # Loop ---------------------------------------------------------------------------------------

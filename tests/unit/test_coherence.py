@@ -93,4 +93,4 @@ def test_the_qk_monitor_emits_cosine_from_its_third_snapshot_on() -> None:
     assert math.isfinite(outs[2]["attn/qk/sigma1/layer_3/head_1"])
     restored = QKUpdateMonitor(cfg, [source])
     restored.load_state_dict(mon.state_dict())
-    assert set(restored.snapshots[3]) == {"step", "wq", "wk", "wq_prev", "wk_prev"}
+    assert set(restored.snapshots[3]) == {"step", "heads", "wq", "wk", "wq_prev", "wk_prev"}

@@ -143,8 +143,10 @@ def test_warm_started_estimate_is_within_1_percent_of_the_exact_preconditioned_s
     grads = [p.grad.clone() for p in model.parameters()]
     est = SharpnessEstimator(SharpnessConfig(iters=4, tol=0.0, method=method, fd_scale=1e-4),
                              probe)
+    assert est.ready()
     first = est.estimate()["optim/sharpness/eos_ratio"] * eos_threshold(0.9)
     for _ in range(6):  # warm starts: each call continues from the last eigenvector
+        assert est.ready()
         second = est.estimate()
     value = second["optim/sharpness/eos_ratio"] * eos_threshold(0.9)
     assert value == pytest.approx(top, rel=0.01), (first, value, top)

@@ -150,6 +150,7 @@ class MechMon:
         self._warned: set[str] = set()
         self._pending_state: dict[str, Any] | None = None
         self._errors_agreed = 0
+        self._due: dict[int, int] = {}
         self.last_coverage: dict[str, dict[str, int]] = {}
         """The agreed coverage of the last monitored step (identical on every rank)."""
 
@@ -272,6 +273,7 @@ class MechMon:
             payload=self._coverage_payload(),
         )
         coverage = self._coverage(agreed)
+        self._warn_unobserved(step, coverage)
         self.last_coverage = coverage
         self._check_strict(step, coverage)
         alarm = None
@@ -506,6 +508,20 @@ class MechMon:
                                 "nothing to observe on any rank")
         out["mechmon"] = {"errors": agreed.payload[-1]}
         return out
+
+    def _warn_unobserved(self, step: int, coverage: Mapping[str, Mapping[str, int]]) -> None:
+        """Warn once per monitor that found something to watch but observed nothing on any rank
+        at its second due step or later (reads failing, every update zero)."""
+        for i, interval in enumerate(self.intervals):
+            if step % interval:
+                continue
+            self._due[i] = self._due.get(i, 0) + 1
+            entry = coverage[self._family_key(i)]
+            if self._due[i] >= 2 and entry["found"] > 0 and entry["observed"] == 0:
+                self._warn_once(f"unobserved:{i}", f"mechmon: monitor {self._family_key(i)} "
+                                f"found {entry['found']} to watch but observed none at step "
+                                f"{step} (skipped {entry['skipped']}, errors {entry['errors']}); "
+                                "its signals are not observed")
 
     def _schedule(self) -> list[tuple[str, int, int]]:
         """``(family, interval, signal count)`` per monitor in order: fixes the order and width

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -52,6 +53,24 @@ from mechmon_megatron.detect.peers import LAYER, PeerGroups
 __all__ = ["DetectorBank", "SignalChannel", "compile_pattern"]
 
 LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
+
+
+def _warn_unmatched(family: str, fam: Any, names: list[str]) -> None:
+    """Warn once per pattern the user set for an enabled family that matches none of the model's
+    signals of that family (a typo, or a signal this model does not have). Silent for the
+    shipped patterns (they cover signals that some settings turn off, e.g. ``qk.coherence``) and
+    when the family has no signal at all (its monitor is off, e.g. router on a dense model)."""
+    own = [n for n in names if n.startswith(family + "/")]
+    if not own:
+        return
+    shipped = DetectorsConfig().families()[family]
+    for key in ("signals", "peer_signals"):
+        for pattern in sorted(set(getattr(fam, key)) - set(getattr(shipped, key))):
+            regex = compile_pattern(pattern)
+            if not any(regex.match(n) for n in own):
+                warnings.warn(f"mechmon: detectors.{family}.{key} pattern {pattern!r} matches no "
+                              f"signal of this model ({len(own)} {family}/ signals, e.g. "
+                              f"{own[0]!r}); it watches nothing", RuntimeWarning, stacklevel=4)
 
 
 def compile_pattern(pattern: str) -> re.Pattern:
@@ -189,6 +208,7 @@ class DetectorBank:
             patterns = [compile_pattern(p) for p in fam.signals]
             watched += [(name, family, fam) for name in names
                         if name.startswith(family + "/") and any(p.match(name) for p in patterns)]
+            _warn_unmatched(family, fam, names)
         self.thresholds: dict[str, dict[str, float]] = {}
         peer_names = []
         for name, family, fam in watched:

@@ -254,9 +254,11 @@ class OptimMonitor:
                 w0 = w0.to(w1.device)
                 rows.append(index[key])
                 parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
-                                          w0.double().pow(2).sum()]).cpu())
+                                          w0.double().pow(2).sum()]).to(parts[0].device
+                                                                        if parts else w1.device))
         if parts:
-            sums_K2.index_add_(0, torch.tensor(rows), torch.stack(parts))
+            sums_K2 = sums_K2.to(parts[0].device).index_add_(
+                0, torch.tensor(rows, device=parts[0].device), torch.stack(parts))
         values = sums_K2.tolist()  # the one device-to-host transfer of the step
         mine = set(self.keys)
         out: dict[str, float] = {}

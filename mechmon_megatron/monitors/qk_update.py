@@ -368,23 +368,27 @@ class QKUpdateMonitor:
         spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
         heads = source.head_index.tolist()
         layer = source.layer
+        # One device-to-host transfer per layer: [term, 5 metrics + degenerate, H].
+        rows = [_metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
+                for term, sigma2 in spectra.items()]
+        table = torch.stack(rows).cpu().tolist() if rows else []
         per_head: dict[str, float] = {}
         degenerate = True
-        for term, sigma2 in spectra.items():
-            m = spectral_metrics(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
-            degenerate = degenerate and bool(m.degenerate.all())
-            finite_H = m.fro.isfinite()
-            zero_H = m.fro == 0
-            if not bool(finite_H.all()):
+        for term, (*metrics, degenerate_H) in zip(spectra, table, strict=True):
+            fro_H = metrics[0]
+            degenerate = degenerate and all(d > 0 for d in degenerate_H)
+            finite_H = [math.isfinite(f) for f in fro_H]
+            zero_H = [f == 0.0 for f in fro_H]
+            if not all(finite_H):
                 self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
-            if bool(zero_H.any()):
+            if any(zero_H):
                 self._warn_once(f"zero:{layer}:{term}",
                                 f"zero {term} update in layer {layer} (frozen?)")
-            for metric, values in zip(METRICS, m[:5], strict=True):
-                for j, (h, v) in enumerate(zip(heads, values.tolist(), strict=True)):
-                    if not bool(finite_H[j]):
+            for metric, values in zip(METRICS, metrics, strict=True):
+                for h, v, finite, zero in zip(heads, values, finite_H, zero_H, strict=True):
+                    if not finite:
                         per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = math.inf
-                    elif metric == "fro" or not bool(zero_H[j]):
+                    elif metric == "fro" or not zero:
                         per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
         per_head.update(self._form_signals(source, q, k))
         self._skipped += int(degenerate)
@@ -459,7 +463,6 @@ class QKUpdateMonitor:
         if pair is None:
             return 0.0, 0.0, 0.0, None, None
         (wq0, wq1), (wk0, wk1) = pair
-        finite = all(bool(torch.isfinite(w).all()) for w in (wq0, wq1, wk0, wk1))
         num_groups = source.global_groups(wk1.shape[0])
         per_group = max(source.num_heads // num_groups, 1)
         group_index = source.group_index.to(torch.long).cpu()
@@ -470,9 +473,11 @@ class QKUpdateMonitor:
         gg_G = (first_G // per_group).clamp(0, num_groups - 1)
         weight_G = counts_G / per_group
         dwq, dwk = wq1 - wq0, wk1 - wk0
-        fro2_q = float(dwq.double().pow(2).sum())
-        fro2_k = float((dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum())
-        return (1.0 if finite else 0.0), fro2_q, fro2_k, gg_G, weight_G
+        checks = [torch.isfinite(w).all().to(torch.float64) for w in (wq0, wq1, wk0, wk1)]
+        *finite, fro2_q, fro2_k = torch.stack(checks + [  # one device-to-host transfer
+            dwq.double().pow(2).sum(),
+            (dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum()]).cpu().tolist()
+        return (1.0 if all(finite) else 0.0), fro2_q, fro2_k, gg_G, weight_G
 
     def _operators(self, source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
                    weight_G: torch.Tensor, fro2_q: float, fro2_k: float) -> tuple:
@@ -565,6 +570,12 @@ class QKUpdateMonitor:
         if float(comm.all_reduce_max(torch.tensor([float(bool(failed))]), group)[0]) > 0:
             raise failed[0] if failed else RuntimeError("layer sketch failed on another rank")
         return result
+
+
+def _metric_rows(sigma2_HN: torch.Tensor, rank_bound: int, alpha: float) -> torch.Tensor:
+    """``[6, H]`` float64 on the device: the five :data:`METRICS` and the degenerate flag."""
+    m = spectral_metrics(sigma2_HN, rank_bound, alpha)
+    return torch.stack([*m[:5], m.degenerate.to(torch.float64)])
 
 
 def _raising(exc: BaseException) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -60,3 +60,37 @@ def test_validate_prints_the_hash_alarm_json_stores(tmp_path, capsys):
     unacked = load_config({"qk": {"interval": 50}})
     assert printed == config_hash(load_config(path)) == config_hash(unacked) == \
         unacked.config_hash()
+
+
+def test_a_detector_pattern_matching_no_signal_warns_at_attach_and_shipped_ones_do_not(tmp_path):
+    import warnings
+
+    import pytest
+
+    from mechmon_megatron.detect import DetectorBank
+
+    names = ["attn/delta2/entropy/layer_1/min", "global/loss"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        DetectorBank(load_config({}), names)  # shipped patterns: silent
+    typo = load_config({"detectors": {"attn": {"signals": ["attn/delta2/entropy/layr_*/min"]}}})
+    with pytest.warns(RuntimeWarning, match="layr_.*matches no signal"):
+        DetectorBank(typo, names)
+
+
+def test_a_monitor_that_observes_nothing_warns_once_and_shows_in_coverage(tmp_path):
+    import pytest
+
+    class Blind(SyntheticMonitor):
+        def end_step(self, step: int) -> dict[str, float]:
+            return {}
+
+        def coverage(self) -> dict[str, int]:
+            return {"found": 2, "observed": 0, "skipped": 2, "errors": 0}
+
+    cfg = load_config({"sinks": {"console": {"enabled": False}}, "output_dir": str(tmp_path)})
+    mon = MechMon(cfg).attach([Blind()], sinks=[])
+    mon.end_step(2)
+    with pytest.warns(RuntimeWarning, match="found 2 to watch but observed none at step 4"):
+        mon.end_step(4)
+    assert mon.last_coverage["attn"]["observed"] == 0

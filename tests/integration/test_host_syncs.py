@@ -1,0 +1,127 @@
+"""Counters: what mechmon does on unmonitored and on monitored steps.
+
+Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT with the QK, optim and
+(global) loss monitors. During every ``MechMon.begin_step`` / ``end_step`` the test counts calls
+into ``comm`` and ``torch.distributed`` (collectives) and tensor-to-host conversions (``item``,
+``tolist``, ``cpu``, ``float``/``int``/``bool`` of a tensor, ``numpy``). On unmonitored steps
+both must be zero; on monitored steps the counts per monitor are bounded (one transfer for the
+per-head table of each layer this rank computes, a fixed number for the layer sketch, one for
+the update ratios) and printed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests._dist import run_distributed
+
+pytest.importorskip("megatron.core")
+
+INTERVAL = 4
+STEPS = 12
+_HOST = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+_COMM = ("all_reduce_sum", "all_reduce_max", "all_gather_cat", "all_gather_object",
+         "all_gather_union", "broadcast_object", "barrier", "sum_or_void", "gather_or_void")
+_DIST = ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object",
+         "broadcast_object_list", "reduce_scatter", "all_to_all")
+
+
+def _worker(rank: int, world_size: int, out_dir: str) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from mechmon_megatron import comm
+    from mechmon_megatron import monitor as mm
+    from mechmon_megatron.train import trainer
+
+    counts = {"active": False, "where": "", "host": {}, "comm": {}}
+
+    def counting(kind, name, fn):
+        def call(*args, **kwargs):
+            if counts["active"]:
+                key = counts["where"]
+                counts[kind][key] = counts[kind].get(key, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name in _HOST:
+        setattr(torch.Tensor, name, counting("host", name, getattr(torch.Tensor, name)))
+    for name in _COMM:
+        setattr(comm, name, counting("comm", name, getattr(comm, name)))
+    for name in _DIST:
+        setattr(dist, name, counting("comm", name, getattr(dist, name)))
+
+    begin, end, attach = mm.MechMon.begin_step, mm.MechMon.end_step, mm.MechMon.attach
+
+    def watched(family, fn):
+        def call(step, *args, **kwargs):
+            outer = counts["where"]
+            counts["where"] = f"{step}:monitor:{family}"
+            try:
+                return fn(step, *args, **kwargs)
+            finally:
+                counts["where"] = outer
+        return call
+
+    def begin_step(self, step):
+        counts.update(active=True, where=f"{step}:begin:" + (
+            "monitored" if self.is_monitored(step) else "unmonitored"))
+        try:
+            return begin(self, step)
+        finally:
+            counts["active"] = False
+
+    def end_step(self, step, **kwargs):
+        counts.update(active=True, where=f"{step}:end:" + (
+            "monitored" if self.is_monitored(step) else "unmonitored"))
+        try:
+            return end(self, step, **kwargs)
+        finally:
+            counts["active"] = False
+
+    def attach_monitors(self, monitors, *args, **kwargs):
+        for m in monitors:
+            m.end_step = watched(m.family, m.end_step)
+        return attach(self, monitors, *args, **kwargs)
+
+    mm.MechMon.begin_step, mm.MechMon.end_step = begin_step, end_step
+    mm.MechMon.attach = attach_monitors
+    trainer.run({
+        "out_dir": out_dir, "steps": STEPS, "log_interval": 0,
+        "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                  "seq_length": 16},
+        "optim": {"warmup_steps": 0, "schedule": "constant"},
+        "data": {"global_batch_size": 4, "max_bytes": 200_000},
+        "checkpoint": {"save_at_end": False},
+        "mechmon": {"qk": {"interval": INTERVAL, "warmup_steps": 0},
+                    "optim": {"interval": INTERVAL, "warmup_steps": 0,
+                              "sharpness": {"enabled": False}},
+                    "router": {"enabled": False}, "actions": {"on_alarm": "log"},
+                    "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}},
+    })
+    return {"host": counts["host"], "comm": counts["comm"]}
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory) -> list[dict]:
+    return run_distributed(_worker, 2, str(tmp_path_factory.mktemp("syncs")), timeout=300)
+
+
+def test_unmonitored_steps_make_no_collective_and_no_host_transfer(counts):
+    for rank in counts:
+        for kind in ("host", "comm"):
+            assert not [k for k in rank[kind] if k.endswith("unmonitored")], (kind, rank[kind])
+
+
+def test_monitored_steps_make_a_bounded_number_of_transfers_per_monitor(counts):
+    for r, rank in enumerate(counts):
+        print(f"rank {r} host transfers: {rank['host']}")
+        print(f"rank {r} collectives: {rank['comm']}")
+        steps = range(INTERVAL, STEPS + 1, INTERVAL)
+        # The optim monitor's update ratios over the step (``window: step``): one transfer.
+        assert [rank["host"].get(f"{s}:monitor:optim", 0) for s in steps] == [1, 1, 1]
+        # QK: each rank computes one of the two layers (DP split); the first step only
+        # snapshots. Then: the per-head table, the form signals, the sketch inputs and its
+        # agreement, and the layer sketch (its power iterations and the spectrum).
+        qk = [rank["host"].get(f"{s}:monitor:attn", 0) for s in steps]
+        assert qk[0] <= 3 and 0 < qk[1] == qk[2] <= 70, qk

@@ -720,7 +720,8 @@ class MechMonConfig:
     def config_hash(self) -> str:
         """16 hex digits of the sha256 of the canonical JSON (sorted keys, no spaces) of
         :meth:`to_dict` without ``actions.acknowledge`` and ``strict`` (acknowledging an alarm
-        or failing on monitor errors does not change what is monitored). ``mechmon config validate`` prints it; ``alarm.json`` stores it.
+        or failing on monitor errors does not change what is monitored).
+        ``mechmon config validate`` prints it; ``alarm.json`` stores it.
         """
         data = self.to_dict()
         data["actions"] = {k: v for k, v in data["actions"].items() if k != "acknowledge"}

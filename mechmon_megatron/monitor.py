@@ -42,7 +42,7 @@ import logging
 import os
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -369,6 +369,49 @@ class MechMon:
             "counters": {"last_step": self.last_step, "monitored_steps": self.monitored_steps,
                          "errors": self.errors},
         }
+
+    def sharded_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(common state, row shards)`` for a framework's sharded checkpoint, where a resume
+        may change the parallel layout; collective over the world.
+
+        The common state is :meth:`state_dict` with the snapshots of monitors that keep them as
+        rows of global tensors (``sharded_state()``: the QK monitor) replaced by their metadata;
+        the row shards (``monitors.qk_state.RowShard``) are keyed ``mechmon.<monitor>.<key>``.
+        Restore with :meth:`load_sharded`.
+        """
+        common = self.state_dict()
+        shards: dict[str, Any] = {}
+        for i, monitor in enumerate(self.monitors):
+            if hasattr(monitor, "sharded_state"):
+                meta, rows = monitor.sharded_state()
+                common["monitors"][i] = dict(common["monitors"][i], snapshots={},
+                                             sharded=meta)
+                shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
+        return common, shards
+
+    def load_sharded(self, common: Mapping[str, Any],
+                     load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]]) -> None:
+        """Restore :meth:`sharded_state` under this run's layout; collective.
+
+        Args:
+            common: the saved common state (the same on every rank).
+            load: the framework's sharded load: ``{key: RowShard with an empty tensor} ->
+                {key: filled tensor}``, one call on every rank.
+        """
+        templates: dict[str, Any] = {}
+        for i, monitor in enumerate(self.monitors):
+            meta = common["monitors"][i].get("sharded")
+            if meta is not None and hasattr(monitor, "sharded_template"):
+                rows = monitor.sharded_template(meta)
+                templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
+        loaded = load(templates)
+        self.load_state_dict(common)
+        for i, monitor in enumerate(self.monitors):
+            meta = common["monitors"][i].get("sharded")
+            if meta is not None and hasattr(monitor, "load_sharded"):
+                prefix = f"mechmon.{i}."
+                monitor.load_sharded(meta, {k[len(prefix):]: v for k, v in loaded.items()
+                                            if k.startswith(prefix)})
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; before :meth:`attach` it is applied at attach time.

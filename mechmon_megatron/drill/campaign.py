@@ -54,8 +54,9 @@ EXPECTED_CLASS = {"attention": "attention", "fp8_attention": "attention", "lr": 
 KIND_FAMILY = {"attention": "attn", "fp8_attention": "attn", "lr": "optim", "router": "router"}
 """Signal family of each elementary fault kind."""
 
-_OFFLINE_KEYS = ("detectors", "sinks")
-"""mechmon sections that change no logged value of a drill run (see :meth:`DrillRun.key`)."""
+_OFFLINE_KEYS = ("detectors", "sinks", "strict")
+"""mechmon sections that change no logged value of a drill run (see :meth:`DrillRun.key`;
+``strict`` can only make a run fail)."""
 
 
 @dataclass(frozen=True)

@@ -137,13 +137,17 @@ def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> lis
             dp_size=groups._get_data_parallel_world_size(),
             dp_group=groups._get_data_parallel_group()))
     if config.router.enabled is not False:
+        from deepspeed.utils import groups
+
         from mechmon_megatron.layouts.deepspeed_moe import topk_gate_sources
         from mechmon_megatron.monitors.router import RouterMonitor
 
         routers = topk_gate_sources(engine.module)
         layers = comm.all_gather_union({r.layer: r.num_experts for r in routers})
         if layers:
-            monitors.append(RouterMonitor(config.router, routers, all_layers=list(layers)))
+            monitors.append(RouterMonitor(config.router, routers, all_layers=list(layers),
+                                          dp_rank=groups._get_data_parallel_rank(),
+                                          dp_size=groups._get_data_parallel_world_size()))
         elif config.router.enabled is True:
             warnings.warn("mechmon: router.enabled is true but the model has no DeepSpeed "
                           "TopKGate; the router monitor does nothing", RuntimeWarning,

@@ -21,6 +21,7 @@ from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import (
     find_attention_modules,
     fp32_sum_group,
+    low_precision_reason,
     qk_layout,
     qk_read_phases,
 )
@@ -43,6 +44,9 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
     tp_group = ps.get_tensor_model_parallel_group()
     tp_rank = ps.get_tensor_model_parallel_rank()
     tp_size = ps.get_tensor_model_parallel_world_size()
+    why = low_precision_reason(found[0][1].linear_qkv.weight, optimizer)
+    if why is not None:
+        warnings.warn(f"mechmon qk: {why}", RuntimeWarning, stacklevel=2)
     sources = []
     for name, attn in found:
         layout = qk_layout(attn, tp_rank, tp_size)
@@ -68,6 +72,10 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
     micro-batch through ``forward``, which runs the model) and ``has_batch()``; without them
     it reports update ratios only.
     """
+    from megatron.core import parallel_state as ps
+
+    dp_rank = ps.get_data_parallel_rank(with_context_parallel=True)
+    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
     monitors: list[Any] = []
     if config.qk.enabled:
         sources = qk_sources(model_chunks, optimizer)
@@ -75,13 +83,9 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         if not all_layers:
             raise ValueError("qk.enabled is true but the model has no megatron-core "
                              "SelfAttention layers; set qk.enabled: false")
-        from megatron.core import parallel_state as ps
-
         monitors.append(QKUpdateMonitor(
-            config.qk, sources, all_layers=all_layers, seed=config.seed,
-            dp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
-            dp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
-            dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
+            config.qk, sources, all_layers=all_layers, seed=config.seed, dp_rank=dp_rank,
+            dp_size=dp_size, dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.megatron_router import router_sources
         from mechmon_megatron.monitors.router import RouterMonitor
@@ -89,7 +93,8 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         routers = router_sources(model_chunks)
         all_routers = list(comm.all_gather_union({r.layer: r.num_experts for r in routers}))
         if all_routers:
-            monitors.append(RouterMonitor(config.router, routers, all_layers=all_routers))
+            monitors.append(RouterMonitor(config.router, routers, all_layers=all_routers,
+                                          dp_rank=dp_rank, dp_size=dp_size))
         elif config.router.enabled is True:
             warnings.warn("mechmon: router.enabled is true but the model has no MoE routers; "
                           "the router monitor does nothing", RuntimeWarning, stacklevel=2)

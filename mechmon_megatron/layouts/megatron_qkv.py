@@ -45,6 +45,7 @@ __all__ = [
     "fp32_weight",
     "fp32_sum_group",
     "local_fp32",
+    "low_precision_reason",
 ]
 
 
@@ -150,6 +151,20 @@ def fp32_sum_group(param: torch.nn.Parameter, optimizer: Any = None) -> comm.Gro
     if getattr(getattr(owner, "config", None), "use_precision_aware_optimizer", False):
         return None
     return owner.data_parallel_group
+
+
+def low_precision_reason(param: torch.nn.Parameter, optimizer: Any = None) -> str | None:
+    """Why :func:`local_fp32` can only read a low-precision copy of ``param``, or None."""
+    if getattr(param, "main_param_sharded", False) and fp32_sum_group(param, optimizer) is None:
+        return ("the precision-aware optimizer keeps the fp32 main params inside its fused state, "
+                "so the bf16 model weights are read; with --overlap-param-gather their "
+                "all-gather may still be running when mechmon reads them after the step (a torn "
+                "read): monitor such runs without --overlap-param-gather")
+    if getattr(param, "main_param", None) is None and param.dtype in (torch.float16,
+                                                                       torch.bfloat16):
+        return (f"the optimizer keeps no fp32 main param for this {param.dtype} weight; the "
+                "low-precision weights are read")
+    return None
 
 
 def local_fp32(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:

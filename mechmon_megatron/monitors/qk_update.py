@@ -57,6 +57,12 @@ from mechmon_megatron.math.spectra import (
     spectral_metrics,
     term_rank_bound,
 )
+from mechmon_megatron.monitors.qk_state import (
+    RowShard,
+    restore_snapshots,
+    snapshot_shards,
+    snapshot_template,
+)
 
 __all__ = ["QKSource", "QKUpdateMonitor", "layer_stats", "LAYER_TERMS", "LAYER_METRICS"]
 
@@ -274,6 +280,22 @@ class QKUpdateMonitor:
         for part in comm.all_gather_object(sd["snapshots"], self.dp_group):
             sd["snapshots"].update(part)
         return sd
+
+    def sharded_state(self) -> tuple[dict[int, dict], dict[str, RowShard]]:
+        """``(metadata, row shards)`` of the snapshots this rank owns, for a framework's sharded
+        checkpoint (:mod:`.qk_state`); collective over the world (the metadata is gathered)."""
+        return snapshot_shards(self.snapshots, [s for s in self.sources if self.owns(s.layer)])
+
+    def sharded_template(self, meta: Mapping[int, Mapping[str, Any]]) -> dict[str, RowShard]:
+        """Empty row shards of the saved snapshots this rank owns under its current layout."""
+        return snapshot_template(meta, self.sources, self.owns,
+                                 lambda s: int(s.group_index.max()) + 1)
+
+    def load_sharded(self, meta: Mapping[int, Mapping[str, Any]],
+                     loaded: Mapping[str, torch.Tensor]) -> None:
+        """Snapshots from the filled :meth:`sharded_template` (after :meth:`load_state_dict`)."""
+        owned = [s for s in self.sources if self.owns(s.layer)]
+        self.snapshots = restore_snapshots(meta, loaded, owned)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore the snapshots of the layers this rank owns whose saved heads are the heads it

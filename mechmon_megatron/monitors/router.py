@@ -153,6 +153,9 @@ class RouterMonitor:
         sources: this rank's routers (possibly none on a pipeline stage without MoE layers).
         all_layers: global layer numbers of every MoE layer of the model (all pipeline stages).
         expert_bias: whether the model's routers have an expert bias.
+        dp_rank, dp_size: this rank's data-parallel replica; the weight geometry of layer L
+            (identical on every replica) is computed by replica ``(L - 1) % dp_size`` only and
+            reaches the others through the signal reduction.
 
     When ``all_layers`` or ``expert_bias`` is ``None`` it is gathered from every rank's sources
     (one ``all_gather_object`` over the world; every rank must construct the monitor then), so
@@ -177,7 +180,7 @@ class RouterMonitor:
     | ``router/weight_cond_fro/layer_L`` | ``||W_R - 1 w_bar^T||_F / ||w_bar||`` |
     | ``router/expert_bias_norm/layer_L`` | ``||b||_2`` (routers with an expert bias) |
 
-    Every rank of the router group emits identical values for its layers. Coverage:
+    The ranks of the router group emit identical token statistics for their layers. Coverage:
     ``found`` routers on this rank, ``observed`` routers that recorded tokens on the last
     monitored step, ``skipped`` no-grad routing calls on that step, ``errors`` (cumulative).
 
@@ -193,7 +196,10 @@ class RouterMonitor:
         sources: Sequence[RouterSource],
         all_layers: Sequence[int] | None = None,
         expert_bias: bool | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
+        self.dp_rank, self.dp_size = int(dp_rank), int(dp_size)
         self.interval = int(config.interval)
         self.num_bins = int(config.histogram_bins)
         if all_layers is None or expert_bias is None:
@@ -353,7 +359,10 @@ class RouterMonitor:
         float64 weights at a time (a DeepSeek-V3-sized router, 256 x 7168, is 14.7 MB); one host
         transfer for all layers.
         """
-        weights = [s.read_weight() for s in self.sources]
+        sources = [s for s in self.sources if (s.layer - 1) % self.dp_size == self.dp_rank]
+        if not sources:
+            return {}
+        weights = [s.read_weight() for s in sources]
         rows_LK: list[torch.Tensor] = []
         start = 0
         while start < len(weights):
@@ -375,12 +384,12 @@ class RouterMonitor:
             nan = torch.full((), math.nan, dtype=torch.float64, device=table_LK.device)
             norms_L = [
                 nan if b is None else torch.linalg.vector_norm(b.detach().to(nan))
-                for b in (s.read_expert_bias() for s in self.sources)
+                for b in (s.read_expert_bias() for s in sources)
             ]
             table_LK = torch.cat([table_LK, torch.stack(norms_L).unsqueeze(1)], dim=1)
             keys.append(BIAS_STAT)
         out = {}
-        for source, values in zip(self.sources, table_LK.tolist(), strict=True):
+        for source, values in zip(sources, table_LK.tolist(), strict=True):
             out.update(
                 {f"router/{k}/layer_{source.layer}": v for k, v in zip(keys, values, strict=True)}
             )

@@ -4,13 +4,18 @@ Layout (Megatron's directory names)::
 
     <save_dir>/latest_checkpointed_iteration.txt   the step of the newest complete checkpoint
     <save_dir>/iter_0000120/model/                 dist_checkpointing of model.sharded_state_dict()
+    <save_dir>/iter_0000120/state/                 dist_checkpointing of the optimizer's Adam
+                                                   moments and mechmon's QK snapshots, as the
+                                                   same global tensors as the parameters
     <save_dir>/iter_0000120/rank_00000.pt          torch.save of the rank's trainer state
 
-The model part is layout-independent (megatron's sharded tensors); the per-rank file holds what
-plain ``torch.optim`` and the trainer keep per rank: optimizer state (of this rank's shards, so a
-resume needs the same parallel layout, which the trainer checks), data position, RNG states,
-iteration, fault and mechmon state. The tracker is written last, after a barrier, so it never
-names a partial checkpoint.
+The ``model`` and ``state`` parts are layout-independent (megatron's sharded tensors); the
+per-rank file holds what plain ``torch.optim`` and the trainer keep per rank: optimizer state (of
+this rank's shards), data position, RNG states, iteration, fault and mechmon state. A resume with
+the same layout loads the rank's own file; one with another TP / DP layout
+(:func:`load_checkpoint` says ``resharded``) takes the layout-independent entries from rank 0's
+file and the optimizer and snapshots from ``state``. The tracker is written last, after a
+barrier, so it never names a partial checkpoint.
 
 dist_checkpointing's file writer starts a ``multiprocessing`` Manager in a *spawn* context: a
 script that saves must guard its top level with ``if __name__ == "__main__":``
@@ -34,6 +39,9 @@ __all__ = [
     "resolve_checkpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "load_state",
+    "row_sharded",
+    "optimizer_sharded",
 ]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -75,7 +83,7 @@ def _rank_file(path: Path) -> Path:
 
 
 def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn.Module,
-                    rank_state: dict[str, Any]) -> str:
+                    rank_state: dict[str, Any], sharded: dict[str, Any] | None = None) -> str:
     """Save ``model`` and this rank's ``rank_state`` as iteration ``step``; collective.
 
     Args:
@@ -83,6 +91,7 @@ def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn
         step: iteration number (the directory name and the tracker's content).
         model: a megatron-core module with ``sharded_state_dict()``.
         rank_state: anything ``torch.save`` takes; written to ``rank_XXXXX.pt``.
+        sharded: a sharded state dict (megatron ``ShardedTensor`` leaves) saved as ``state``.
 
     Returns:
         The iteration directory.
@@ -95,6 +104,11 @@ def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn
         (path / "model").mkdir(parents=True, exist_ok=True)
     comm.barrier()
     dist_checkpointing.save(model.sharded_state_dict(), str(path / "model"))
+    if sharded is not None:
+        if leader:
+            (path / "state").mkdir(exist_ok=True)
+        comm.barrier()
+        dist_checkpointing.save(sharded, str(path / "state"))
     target = _rank_file(path)
     tmp = target.with_suffix(".tmp")
     torch.save(rank_state, tmp)
@@ -109,26 +123,77 @@ def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn
     return str(path)
 
 
-def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
+                    layout: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load the model of checkpoint ``path`` (an iteration or save directory) in place and
-    return this rank's saved state; collective.
+    return the saved trainer state; collective.
+
+    With ``layout`` equal to the saved one (or None) and a file for every rank, the state is
+    this rank's own file; otherwise rank 0's, with ``resharded`` true: only its
+    layout-independent entries apply, the optimizer and snapshots come from :func:`load_state`.
 
     Raises:
-        FileNotFoundError: no checkpoint at ``path``, or no file for this rank (saved with fewer
-            ranks).
+        FileNotFoundError: no checkpoint at ``path``, or a rank file missing for the same layout.
     """
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint(path)
-    rank_file = _rank_file(path)
+    rank_file, first = _rank_file(path), path / "rank_00000.pt"
+    saved = torch.load(first, map_location="cpu", weights_only=False)
+    same = layout is None or saved["layout"] == layout
     # Agreed before any load collective, so a missing file stops every rank, not just one.
     missing = comm.all_reduce_max(torch.tensor([0 if rank_file.is_file() else 1]))
-    if int(missing.item()):
+    if int(missing.item()) and same:
         raise FileNotFoundError(f"{path}: no rank_XXXXX.pt for some rank (this one: "
                                 f"{rank_file.name}); the checkpoint was saved with a different "
                                 "number of ranks")
     loaded = dist_checkpointing.load(model.sharded_state_dict(), str(path / "model"))
     model.load_state_dict(loaded)
-    state = torch.load(rank_file, map_location="cpu", weights_only=False)
+    state = torch.load(rank_file, map_location="cpu", weights_only=False) if same else saved
     state["path"] = str(path)
+    state["resharded"] = not same
     return state
+
+
+def load_state(path: str | os.PathLike[str], sharded: dict[str, Any]) -> dict[str, Any]:
+    """Load the ``state`` part of checkpoint ``path`` into the templates ``sharded``;
+    collective (every rank, one call)."""
+    from megatron.core import dist_checkpointing
+
+    state_dir = resolve_checkpoint(path) / "state"
+    if not state_dir.is_dir():
+        raise FileNotFoundError(f"{state_dir}: this checkpoint has no layout-independent "
+                                "optimizer state; resume it with the layout it was saved with")
+    return dist_checkpointing.load(sharded, str(state_dir))
+
+
+def row_sharded(key: str, shard: Any) -> Any:
+    """A megatron ``ShardedTensor`` of a ``qk_state.RowShard`` (rows of a global tensor)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    rows = shard.tensor.shape[0]
+    return ShardedTensor.from_rank_offsets(key, shard.tensor.contiguous(),
+                                           (0, shard.offset // rows, shard.global_rows // rows),
+                                           replica_id=shard.replica)
+
+
+def optimizer_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      init: bool = False) -> dict[Any, Any]:
+    """Adam's per-parameter moments as sharded tensors shaped like the parameters' own
+    (``{param index: {exp_avg, exp_avg_sq}}``; ``step`` is the iteration, kept apart).
+    ``init``: give parameters without state zero moments first (a template to load into)."""
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        optim_state_to_sharding_state,
+    )
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if init:
+        for p in params:
+            if "exp_avg" not in optimizer.state[p]:
+                optimizer.state[p].update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(p),
+                                          exp_avg_sq=torch.zeros_like(p))
+    sd = optimizer.state_dict()
+    id_map = get_param_id_to_sharded_param_map(model.sharded_state_dict(), params)
+    optim_state_to_sharding_state(sd, id_map, exclude_keys=("step",))
+    return sd["state"]

@@ -375,9 +375,18 @@ class _Trainer:
 
     def save_checkpoint(self, step: int) -> str | None:
         """Save iteration ``step`` to the save directory (collective); returns its path."""
-        from mechmon_megatron.train.checkpoint import save_checkpoint
+        from mechmon_megatron.train.checkpoint import (
+            optimizer_sharded,
+            row_sharded,
+            save_checkpoint,
+        )
 
-        path = save_checkpoint(self.cfg.save_dir(), step, self.model, self._rank_state(step))
+        state = self._rank_state(step)
+        common, rows = self.mon.sharded_state() if self.mon is not None else (None, {})
+        state["mechmon_common"] = common
+        sharded = {"optimizer": optimizer_sharded(self.model, self.optimizer),
+                   "mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
+        path = save_checkpoint(self.cfg.save_dir(), step, self.model, state, sharded)
         if self.mon is not None:
             self.mon.note_checkpoint(step, path)
         self.last_checkpoint = path
@@ -421,14 +430,14 @@ class _Trainer:
 
         from mechmon_megatron.train.checkpoint import load_checkpoint
 
-        state = load_checkpoint(self.cfg.checkpoint.load, self.model)
-        if state["layout"] != self.layout:
-            raise ValueError(f"{state['path']} was saved with layout {state['layout']}, this run "
-                             f"has {self.layout}; resume with the same parallel layout")
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = load_checkpoint(self.cfg.checkpoint.load, self.model, self.layout)
         self.data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
-        get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
+        if state["resharded"]:
+            self._load_resharded(state)
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
+            get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
         self.faults.load_state_dict(state["faults"])
         div = state["divergence"]
         self.ema, self.ema_min, self.divergence_step = div["ema"], div["ema_min"], div["step"]
@@ -436,8 +445,36 @@ class _Trainer:
         self.last_checkpoint = state["path"]
         if self.mon is None:
             return None
-        self.mon.load_state_if_all(state["mechmon"])
+        if not state["resharded"]:
+            self.mon.load_state_if_all(state["mechmon"])
         return self.mon.check_resume(state["path"])
+
+    def _load_resharded(self, state: dict[str, Any]) -> None:
+        """Resume under another TP / DP layout: Adam's moments and mechmon's QK snapshots from
+        the checkpoint's sharded ``state`` (the rows this layout holds), the rest from rank 0's
+        file (layout-independent). The TP RNG tracker restarts from its seed (dropout streams
+        differ between layouts anyway)."""
+        from mechmon_megatron.train.checkpoint import load_state, optimizer_sharded, row_sharded
+
+        template = optimizer_sharded(self.model, self.optimizer, init=True)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        loaded: dict[str, Any] = {}
+
+        def load(rows: dict[str, Any]) -> dict[str, Any]:
+            mech = {k: row_sharded(k, v) for k, v in rows.items()}
+            loaded.update(load_state(state["path"], {"optimizer": template, "mechmon": mech}))
+            return loaded.get("mechmon", {})
+
+        if self.mon is not None and state.get("mechmon_common") is not None:
+            self.mon.load_sharded(state["mechmon_common"], load)
+        else:
+            load({})
+        with torch.no_grad():
+            for index, moments in loaded.get("optimizer", {}).items():
+                for key, value in moments.items():
+                    self.optimizer.state[params[index]][key].copy_(value)
+                self.optimizer.state[params[index]]["step"] = torch.tensor(
+                    float(state["iteration"]))  # every parameter steps every iteration
 
     # Loop ---------------------------------------------------------------------------------------
 

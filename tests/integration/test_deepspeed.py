@@ -162,7 +162,8 @@ def _dense_worker(rank: int, world_size: int, tmp: str) -> dict:
     out["resumed"] = {"global_steps": engine.global_steps,
                       "monitored": resumed.mon.monitored_steps,
                       "alarm_id": resumed.mon.alarm.alarm_id,
-                      "snapshot_steps": sorted(s["step"] for s in qk.snapshots.values())}
+                      "snapshot_steps": sorted(s["step"] for s in qk.snapshots.values()),
+                      "snapshot_layers": sorted(qk.snapshots)}
 
     ack = dict(block, actions={"on_alarm": "checkpoint_and_exit",
                                "acknowledge": out["state"]["alarm_id"]})
@@ -225,7 +226,10 @@ def test_the_alarm_checkpoint_restores_the_monitor_and_re_raises_until_acknowled
         assert run["resumed"] == {"global_steps": INJECT_STEP,
                                   "monitored": run["state"]["monitored"],
                                   "alarm_id": run["state"]["alarm_id"],
-                                  "snapshot_steps": [INJECT_STEP, INJECT_STEP]}
+                                  # DP split: layer L's snapshot on DP rank (L - 1) % 2 only,
+                                  # restored from the one gathered client_state copy
+                                  "snapshot_steps": [INJECT_STEP],
+                                  "snapshot_layers": [rank + 1]}
         first = dense[0]["alarm_file"]
         assert run["resumed_alarm"] == {"path": first["path"] if rank == 0 else None,
                                         "checkpoint": first["alarm_checkpoint"]}

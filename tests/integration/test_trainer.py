@@ -105,7 +105,7 @@ def test_an_alarm_saves_a_checkpoint_and_returns_the_exit_code(runs):
     ckpt = Path(runs["tmp"], "alarm", "checkpoints")
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(ALARM_AT)
     assert sorted(p.name for p in Path(runs["ranks"][0]["alarmed"].checkpoint).iterdir()) == [
-        "model", "rank_00000.pt", "rank_00001.pt"]
+        "model", "rank_00000.pt", "rank_00001.pt", "state"]
     assert json.loads((ckpt / "alarm.json").read_text())["alarm_step"] == ALARM_AT
 
 

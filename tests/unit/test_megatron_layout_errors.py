@@ -50,3 +50,23 @@ def test_a_model_without_attention_is_an_error_when_the_qk_monitor_is_on():
     config = load_config({"router": {"enabled": False}})
     with pytest.raises(ValueError, match="no megatron-core SelfAttention"):
         megatron_core.build_monitors(config, [torch.nn.Linear(4, 4)])
+
+
+def test_a_low_precision_read_names_its_reason():
+    import types
+
+    import torch
+
+    from mechmon_megatron.layouts.megatron_qkv import low_precision_reason
+
+    fp32 = torch.nn.Parameter(torch.zeros(4, 4))
+    assert low_precision_reason(fp32) is None
+    bf16 = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    assert "no fp32 main param" in low_precision_reason(bf16)
+    bf16.main_param = torch.zeros(4, 4)
+    assert low_precision_reason(bf16) is None
+    sharded = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.bfloat16))
+    sharded.main_param_sharded = True
+    owner = types.SimpleNamespace(model_param_gbuf_map={sharded: 0}, chained_optimizers=None,
+                                  config=types.SimpleNamespace(use_precision_aware_optimizer=True))
+    assert "--overlap-param-gather" in low_precision_reason(sharded, owner)

@@ -1,0 +1,128 @@
+"""The QK monitor's snapshots as pieces of global tensors, so a resume can change the layout.
+
+A snapshot of layer L holds this rank's rows of ``W_Q`` (``[H_loc, K, D]``, its query heads) and
+``W_K`` (``[G_loc, K, D]``, its kv groups) read at a monitored step (plus the previous pair with
+``qk.coherence``). Under tensor parallelism the heads of a rank are contiguous, so each tensor is
+rows ``[offset, offset + local)`` of a global ``[H, K, D]`` / ``[G, K, D]`` tensor; with fewer
+kv groups than TP ranks several ranks hold the same group (replicas 0, 1, ...). A framework's
+sharded checkpoint (megatron-core ``dist_checkpointing``) saves those pieces once and hands any
+later layout the rows it holds, so a resume at another TP / DP size continues the same update
+windows instead of re-snapshotting. The step and shapes of every layer's snapshot travel as
+small metadata, gathered over all ranks at save time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+
+__all__ = ["RowShard", "global_groups_of", "snapshot_shards", "snapshot_template",
+           "restore_snapshots"]
+
+_TENSORS = ("wq", "wk", "wq_prev", "wk_prev")
+
+
+@dataclass
+class RowShard:
+    """This rank's piece of a global tensor: rows ``[offset, offset + tensor.shape[0])``."""
+
+    tensor: torch.Tensor
+    global_rows: int
+    offset: int
+    replica: int
+
+
+def global_groups_of(source: Any, local_groups: int) -> list[int]:
+    """Global kv-group index of each local kv group of ``source`` (a ``QKSource``)."""
+    num_groups = source.global_groups(local_groups)
+    per_group = max(source.num_heads // num_groups, 1)
+    first = [source.num_heads] * local_groups
+    for g, h in zip(source.group_index.tolist(), source.head_index.tolist(), strict=True):
+        first[g] = min(first[g], h)
+    return [min(f // per_group, num_groups - 1) for f in first]
+
+
+def _layout(source: Any, local_groups: int) -> tuple[int, int, int, int, int]:
+    """``(head offset, global heads, group offset, global groups, replica)`` of ``source``.
+
+    Raises:
+        ValueError: the local heads or groups are not contiguous.
+    """
+    heads = source.head_index.tolist()
+    groups = global_groups_of(source, local_groups)
+    if heads != list(range(heads[0], heads[0] + len(heads))) or groups != list(
+            range(groups[0], groups[0] + len(groups))):
+        raise ValueError(f"layer {source.layer}: local heads {heads} / groups {groups} are not "
+                         "contiguous; the snapshot cannot be saved as rows of a global tensor")
+    num_groups = source.global_groups(local_groups)
+    per_group = max(source.num_heads // num_groups, 1)
+    replica = (heads[0] - groups[0] * per_group) // max(len(heads), 1)
+    return heads[0], source.num_heads, groups[0], num_groups, replica
+
+
+def snapshot_shards(snapshots: Mapping[int, Mapping[str, Any]], sources: Sequence[Any],
+                    group: comm.Group = None) -> tuple[dict[int, dict], dict[str, RowShard]]:
+    """``(metadata of every layer's snapshot over all ranks, this rank's row shards)``.
+
+    Collective over ``group`` (one object all-gather of the metadata). Keys:
+    ``qk.layer_<L>.<wq|wk|wq_prev|wk_prev>``.
+    """
+    shards: dict[str, RowShard] = {}
+    meta: dict[int, dict] = {}
+    for source in sources:
+        snap = snapshots.get(source.layer)
+        if snap is None:
+            continue
+        local_groups = snap["wk"].shape[0]
+        h0, heads, g0, groups, replica = _layout(source, local_groups)
+        names = [n for n in _TENSORS if snap.get(n) is not None]
+        for name in names:
+            t = snap[name]
+            rows, offset = (heads, h0) if name.startswith("wq") else (groups, g0)
+            shards[f"qk.layer_{source.layer}.{name}"] = RowShard(t.detach().cpu().contiguous(),
+                                                                rows, offset, replica)
+        meta[source.layer] = {"step": int(snap["step"]), "names": names,
+                              "shape": [int(x) for x in snap["wq"].shape[1:]],
+                              "dtype": str(snap["wq"].dtype).removeprefix("torch.")}
+    return comm.all_gather_union(meta, group), shards
+
+
+def snapshot_template(meta: Mapping[int, Mapping[str, Any]], sources: Sequence[Any],
+                      owns: Callable[[int], bool], local_groups: Callable[[Any], int]
+                      ) -> dict[str, RowShard]:
+    """Empty row shards of the snapshots this rank owns under its current layout, to be filled
+    by the framework's sharded load (``local_groups(source)``: its number of local kv groups)."""
+    out: dict[str, RowShard] = {}
+    for source in sources:
+        info = meta.get(source.layer)
+        if info is None or not owns(source.layer):
+            continue
+        groups_loc = local_groups(source)
+        h0, heads, g0, groups, replica = _layout(source, groups_loc)
+        dtype = getattr(torch, info["dtype"])
+        for name in info["names"]:
+            rows, offset, n = ((heads, h0, source.head_index.numel()) if name.startswith("wq")
+                               else (groups, g0, groups_loc))
+            out[f"qk.layer_{source.layer}.{name}"] = RowShard(
+                torch.empty(n, *info["shape"], dtype=dtype), rows, offset, replica)
+    return out
+
+
+def restore_snapshots(meta: Mapping[int, Mapping[str, Any]], loaded: Mapping[str, torch.Tensor],
+                      sources: Sequence[Any]) -> dict[int, dict[str, Any]]:
+    """Snapshots from the loaded row shards (keys of :func:`snapshot_template`)."""
+    out: dict[int, dict[str, Any]] = {}
+    for source in sources:
+        info = meta.get(source.layer)
+        key = f"qk.layer_{source.layer}."
+        if info is None or key + "wq" not in loaded:
+            continue
+        snap: dict[str, Any] = {"step": info["step"], "heads": source.head_index.tolist()}
+        snap.update({name: loaded[key + name] for name in info["names"]})
+        out[source.layer] = snap
+    return out

@@ -5,8 +5,8 @@ QK (per head and layer sketch), router and optim monitors on every step. Rank 1 
 site per step: the QK read's local phase, the per-head spectra, the sketch's inputs, the
 sketch's operator setup (steps 2-5, then a checkpoint), the monitor state load on resume, the
 router's packing and the optim read (steps 6-7). Nothing hangs (the harness's timeout), every
-rank ends with the same table at every step (nothing mispaired), exactly the affected signals are NaN, training is bitwise what it is
-without the injections, and coverage counts each error.
+rank ends with the same table at every step (nothing mispaired), exactly the affected signals
+are NaN, training is bitwise what it is without the injections, and coverage counts each error.
 
 Layer 1 is computed by DP replica 0 (ranks 0 and 1; rank 1 holds heads 2 and 3), layer 2 by
 replica 1 (ranks 2 and 3), so the injections on rank 1 void layer 1 only.

@@ -41,15 +41,13 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
-from mechmon_megatron.math.sketch import SketchResult, subspace_iteration
 from mechmon_megatron.math.spectra import (
     METRICS,
     qk_grams,
@@ -57,6 +55,9 @@ from mechmon_megatron.math.spectra import (
     spectral_metrics,
     term_rank_bound,
 )
+from mechmon_megatron.monitors import qk_sketch
+from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
+from mechmon_megatron.monitors.qk_source import QKSource
 from mechmon_megatron.monitors.qk_state import (
     RowShard,
     restore_snapshots,
@@ -66,76 +67,8 @@ from mechmon_megatron.monitors.qk_state import (
 
 __all__ = ["QKSource", "QKUpdateMonitor", "layer_stats", "LAYER_TERMS", "LAYER_METRICS"]
 
-LAYER_TERMS = ("delta2", "dwq", "dwk")
-"""Terms with a layer-level sketch."""
-LAYER_METRICS = ("entropy", "entropy_lo", "entropy_hi", "sigma1", "fro", "stable_rank")
-"""Metrics of a layer-level sketch."""
 STATS = ("mean", "min", "max")
 _HEAD_RE = re.compile(r"^(attn/[^/]+/[^/]+/layer_\d+)/head_\d+$")
-
-
-@dataclass
-class QKSource:
-    """One attention layer's local shard, built by an integration.
-
-    Attributes:
-        layer: global 1-based layer number.
-        name: module name (for messages).
-        num_heads: global number of query heads of the layer.
-        head_index: ``[H_loc]`` long, global index of each local query head.
-        group_index: ``[H_loc]`` long, local kv-group index (row of ``wk_GKD``) of each local head.
-        read: the local phase of the read (no collective; may fail): ``() -> (wq_HKD,
-            wk_GKD)`` fp32 rows (qk-layernorm gamma folded), or, with ``exchange``, the local
-            payload it takes.
-        sketch_group: ranks holding disjoint heads of this layer (TP group); None = world.
-        num_groups: global kv groups; None infers ``num_heads * G_loc / H_loc`` (right when every
-            rank holds whole groups, i.e. not when groups are replicated because ng < tp).
-        exchange: the collective phase, ``payload | None -> (payload, void)``: the same calls
-            and shapes on every rank whatever ``read`` did (None: it failed), ``void`` true
-            everywhere when any rank's local phase failed (``comm.sum_or_void``). None: ``read``
-            is complete.
-        finish: ``payload -> (wq_HKD, wk_GKD)`` after ``exchange`` (no collective).
-        dp_exchange: ``exchange`` runs collectives over the data-parallel group (sharded fp32
-            main params), so every DP rank joins it, also those that do not own the layer.
-    """
-
-    layer: int
-    name: str
-    num_heads: int
-    head_index: torch.Tensor
-    group_index: torch.Tensor
-    read: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-    sketch_group: comm.Group = None
-    num_groups: int | None = None
-    exchange: Callable[[Any], tuple[Any, bool]] | None = None
-    finish: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
-    dp_exchange: bool = False
-
-    def rows(self, on_error: Callable[[str, BaseException], None]
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The three phases of the read: None when any rank's local phase failed (on every
-        rank) or this rank's ``finish`` failed; local errors go to ``on_error(where, exc)``."""
-        payload = None
-        try:
-            payload = self.read()
-        except Exception as exc:  # noqa: BLE001 - becomes the void flag of the exchange
-            on_error("read", exc)
-        if self.exchange is None:
-            return payload
-        payload, void = self.exchange(payload)
-        if void:
-            return None
-        try:
-            return payload if self.finish is None else self.finish(payload)
-        except Exception as exc:  # noqa: BLE001
-            on_error("read (finish)", exc)
-            return None
-
-    def global_groups(self, local_groups: int) -> int:
-        """Global kv groups: ``num_groups``, or ``num_heads * G_loc / H_loc`` when unset."""
-        if self.num_groups is not None:
-            return int(self.num_groups)
-        return self.num_heads * local_groups // max(self.head_index.numel(), 1)
 
 
 def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
@@ -448,7 +381,7 @@ class QKUpdateMonitor:
         """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""
         group = source.sketch_group
         try:
-            ready, fro2_q, fro2_k, gg_G, weight_G = self._sketch_inputs(source, pair)
+            ready, fro2_q, fro2_k, gg_G, weight_G = qk_sketch.sketch_inputs(source, pair)
         except Exception as exc:  # noqa: BLE001 - the agreement below must still happen
             self._error(source, "layer sketch inputs", exc)
             ready, fro2_q, fro2_k, gg_G, weight_G = 0.0, 0.0, 0.0, None, None
@@ -467,8 +400,9 @@ class QKUpdateMonitor:
         out: dict[str, float] = {}
         for term in self.layer_terms:
             try:
-                result = self._sketch(source, step, term, pair, gg_G, weight_G,
-                                      float(agree[1]), float(agree[2]))
+                result = qk_sketch.sketch_term(self.config.layer_sketch, self.seed, source, step,
+                                               term, pair, gg_G, weight_G, float(agree[1]),
+                                               float(agree[2]))
             except Exception as exc:  # noqa: BLE001
                 self._error(source, f"layer sketch {term}", exc)
                 continue
@@ -479,148 +413,8 @@ class QKUpdateMonitor:
                     out[f"attn/layer_{term}/{metric}/layer_{source.layer}"] = v
         return out
 
-    def _sketch_inputs(self, source: QKSource, pair: tuple | None) -> tuple:
-        """Local inputs of the sketch: ``(ready, ||dWq||^2, ||dWk||^2 weighted, global group of
-        each local kv group, its weight)``; ready 0 without a finite update."""
-        if pair is None:
-            return 0.0, 0.0, 0.0, None, None
-        (wq0, wq1), (wk0, wk1) = pair
-        num_groups = source.global_groups(wk1.shape[0])
-        per_group = max(source.num_heads // num_groups, 1)
-        group_index = source.group_index.to(torch.long).cpu()
-        local_groups = wk1.shape[0]
-        counts_G = torch.bincount(group_index, minlength=local_groups).double()
-        first_G = torch.full((local_groups,), source.num_heads, dtype=torch.long)
-        first_G = first_G.scatter_reduce(0, group_index, source.head_index.cpu().long(), "amin")
-        gg_G = (first_G // per_group).clamp(0, num_groups - 1)
-        weight_G = counts_G / per_group
-        dwq, dwk = wq1 - wq0, wk1 - wk0
-        checks = [torch.isfinite(w).all().to(torch.float64) for w in (wq0, wq1, wk0, wk1)]
-        *finite, fro2_q, fro2_k = torch.stack(checks + [  # one device-to-host transfer
-            dwq.double().pow(2).sum(),
-            (dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum()]).cpu().tolist()
-        return (1.0 if all(finite) else 0.0), fro2_q, fro2_k, gg_G, weight_G
-
-    def _operators(self, source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
-                   weight_G: torch.Tensor, fro2_q: float, fro2_k: float) -> tuple:
-        """This rank's parts of the sketched operator and its adjoint (local, no collective):
-        ``(matmat, rmatmat, rows of the operator, rank bound, ||op||_F^2 or None)``."""
-        (wq0, wq1), (wk0, wk1) = pair
-        heads_G, d_head, d_model = source.num_heads, wq1.shape[1], wq1.shape[2]
-        device, dtype = wq1.device, wq1.dtype
-        hk = source.head_index.numel() * d_head
-        head_index = source.head_index.to(device, torch.long)
-        dwq = (wq1 - wq0).reshape(hk, d_model)
-        dwk_GKD = wk1 - wk0
-        gg = gg_G.to(device)
-        w_G11 = weight_G.to(device, dtype).view(-1, 1, 1)
-        n_groups = source.global_groups(wk1.shape[0])
-
-        if term == "delta2":
-            g_H = source.group_index.to(device, torch.long)
-            wq0_f = wq0.reshape(hk, d_model)
-
-            def matmat(x: torch.Tensor) -> torch.Tensor:
-                x = x.to(device, dtype)
-                u = (wk0 @ x)[g_H].reshape(hk, -1)
-                v = (dwk_GKD @ x)[g_H].reshape(hk, -1)
-                return (dwq.T @ u + wq0_f.T @ v)
-
-            def rmatmat(y: torch.Tensor) -> torch.Tensor:
-                y = y.to(device, dtype)
-                shape = (wk0.shape[0], d_head, y.shape[1])
-                a = torch.zeros(shape, device=device, dtype=dtype).index_add_(
-                    0, g_H, (dwq @ y).view(-1, d_head, y.shape[1]))
-                b = torch.zeros(shape, device=device, dtype=dtype).index_add_(
-                    0, g_H, (wq0_f @ y).view(-1, d_head, y.shape[1]))
-                return (wk0.flatten(0, 1).T @ a.flatten(0, 1)
-                              + dwk_GKD.flatten(0, 1).T @ b.flatten(0, 1))
-
-            n_out, bound, fro2 = d_model, min(d_model, 2 * d_head * heads_G), None
-        elif term == "dwq":
-            def matmat(x: torch.Tensor) -> torch.Tensor:
-                z = torch.zeros(heads_G, d_head, x.shape[1], device=device, dtype=dtype)
-                z[head_index] = (dwq @ x.to(device, dtype)).view(-1, d_head, x.shape[1])
-                return (z.flatten(0, 1))
-
-            def rmatmat(y: torch.Tensor) -> torch.Tensor:
-                y_loc = y.to(device, dtype).view(heads_G, d_head, -1)[head_index]
-                return (dwq.T @ y_loc.flatten(0, 1))
-
-            n_out, fro2 = heads_G * d_head, fro2_q
-            bound = min(n_out, d_model)
-        else:
-            def matmat(x: torch.Tensor) -> torch.Tensor:
-                z = torch.zeros(n_groups, d_head, x.shape[1], device=device, dtype=dtype)
-                z.index_add_(0, gg, w_G11 * (dwk_GKD @ x.to(device, dtype)))
-                return (z.flatten(0, 1))
-
-            def rmatmat(y: torch.Tensor) -> torch.Tensor:
-                y_loc = w_G11 * y.to(device, dtype).view(n_groups, d_head, -1)[gg]
-                return (dwk_GKD.flatten(0, 1).T @ y_loc.flatten(0, 1))
-
-            n_out, fro2 = n_groups * d_head, fro2_k
-            bound = min(n_out, d_model)
-        return matmat, rmatmat, n_out, bound, fro2
-
-    def _sketch(self, source: QKSource, step: int, term: str, pair: tuple,
-                gg_G: torch.Tensor, weight_G: torch.Tensor, fro2_q: float,
-                fro2_k: float) -> SketchResult:
-        d_head, d_model = pair[0][1].shape[1], pair[0][1].shape[2]
-        n_out = {"delta2": d_model, "dwq": source.num_heads * d_head,
-                 "dwk": source.global_groups(pair[1][1].shape[0]) * d_head}[term]
-        failed: list[BaseException] = []
-        try:
-            matmat, rmatmat, n_out, bound, fro2 = self._operators(
-                source, term, pair, gg_G, weight_G, fro2_q, fro2_k)
-        except Exception as exc:  # noqa: BLE001 - the sketch's all-reduces must still happen
-            failed.append(exc)
-            matmat = rmatmat = _raising(exc)
-            bound, fro2 = min(n_out, d_model), None
-        group = source.sketch_group
-        cfg = self.config.layer_sketch
-        seed = self.seed
-        term_id = LAYER_TERMS.index(term)
-        generator = torch.Generator().manual_seed(
-            (seed * 1_000_003 + source.layer * 7919 + term_id * 104_729 + step) % (2**62))
-        result = subspace_iteration(
-            _guarded(matmat, n_out, group, failed), _guarded(rmatmat, d_model, group, failed),
-            d_model, n_out, generator, rank=cfg.rank, oversample=cfg.oversample,
-            power_iters=cfg.power_iters, fro2=fro2, rank_bound=bound)
-        # One more collective on every rank: a local failure anywhere makes the term NaN
-        # everywhere (the others summed a zero part in its place and would be silently wrong).
-        if float(comm.all_reduce_max(torch.tensor([float(bool(failed))]), group)[0]) > 0:
-            raise failed[0] if failed else RuntimeError("layer sketch failed on another rank")
-        return result
-
 
 def _metric_rows(sigma2_HN: torch.Tensor, rank_bound: int, alpha: float) -> torch.Tensor:
     """``[6, H]`` float64 on the device: the five :data:`METRICS` and the degenerate flag."""
     m = spectral_metrics(sigma2_HN, rank_bound, alpha)
     return torch.stack([*m[:5], m.degenerate.to(torch.float64)])
-
-
-def _raising(exc: BaseException) -> Callable[[torch.Tensor], torch.Tensor]:
-    """An operator part that fails again (its setup failed): :func:`_guarded` sends zeros."""
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        raise exc
-
-    return call
-
-
-def _guarded(local: Callable[[torch.Tensor], torch.Tensor], rows: int, group: comm.Group,
-             failed: list[BaseException]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> all_reduce_sum(local(x))`` that always issues its all-reduce: a rank whose local
-    part raises (out of memory, say) sends zeros of the agreed shape ``[rows, x.shape[1]]`` and
-    records the error, so the ranks of ``group`` stay in step."""
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        try:
-            part = local(x).to(torch.float64)
-        except Exception as exc:  # noqa: BLE001 - re-raised after the collectives
-            failed.append(exc)
-            part = torch.zeros(rows, x.shape[1], dtype=torch.float64)
-        return comm.all_reduce_sum(part, group)
-
-    return call

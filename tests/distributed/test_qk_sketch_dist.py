@@ -102,10 +102,10 @@ def test_four_ranks_match_single_process_also_with_key_groups_replicated_over_ra
 
 def _flaky_table(rank: int, world: int) -> dict[str, float]:
     """Rank 1's local sketch part raises once mid-iteration (an out-of-memory, say)."""
-    from mechmon_megatron.monitors import qk_update
+    from mechmon_megatron.monitors import qk_sketch
 
     if rank == 1:
-        guarded = qk_update._guarded
+        guarded = qk_sketch._guarded
 
         def flaky(local, rows, group, failed):
             calls = {"n": 0}
@@ -118,7 +118,7 @@ def _flaky_table(rank: int, world: int) -> dict[str, float]:
 
             return guarded(local_or_fail, rows, group, failed)
 
-        qk_update._guarded = flaky
+        qk_sketch._guarded = flaky
     return _table(rank, world, 4)
 
 

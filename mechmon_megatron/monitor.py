@@ -389,29 +389,47 @@ class MechMon:
                 shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
         return common, shards
 
-    def load_sharded(self, common: Mapping[str, Any],
-                     load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]]) -> None:
-        """Restore :meth:`sharded_state` under this run's layout; collective.
+    def load_sharded(self, common: Mapping[str, Any] | None,
+                     load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]]) -> bool:
+        """Restore :meth:`sharded_state` under this run's layout; collective (``load`` once,
+        then one MAX all-reduce), fail-safe as :meth:`load_state_if_all`.
 
         Args:
-            common: the saved common state (the same on every rank).
+            common: the saved common state (the same on every rank), or None.
             load: the framework's sharded load: ``{key: RowShard with an empty tensor} ->
                 {key: filled tensor}``, one call on every rank.
+
+        Returns:
+            Whether the state was loaded (else every rank starts on fresh state).
         """
         templates: dict[str, Any] = {}
-        for i, monitor in enumerate(self.monitors):
-            meta = common["monitors"][i].get("sharded")
-            if meta is not None and hasattr(monitor, "sharded_template"):
-                rows = monitor.sharded_template(meta)
-                templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
-        loaded = load(templates)
-        self.load_state_dict(common)
-        for i, monitor in enumerate(self.monitors):
-            meta = common["monitors"][i].get("sharded")
-            if meta is not None and hasattr(monitor, "load_sharded"):
-                prefix = f"mechmon.{i}."
-                monitor.load_sharded(meta, {k[len(prefix):]: v for k, v in loaded.items()
-                                            if k.startswith(prefix)})
+        ok = common is not None
+        try:
+            for i, monitor in enumerate(self.monitors if ok else []):
+                meta = common["monitors"][i].get("sharded")
+                if meta is not None and hasattr(monitor, "sharded_template"):
+                    rows = monitor.sharded_template(meta)
+                    templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
+        except Exception as exc:  # noqa: BLE001 - voted below; the load still runs
+            self._error("state load", exc)
+            ok, templates = False, {}
+        # The same on every rank (from the common state): whether any snapshot was saved.
+        needs = common is not None and any(m.get("sharded") for m in common["monitors"])
+        loaded = load(templates) if needs else {}
+        fresh = self.state_dict()
+        if ok:
+            try:
+                self.load_state_dict(common)
+                for i, monitor in enumerate(self.monitors):
+                    meta = common["monitors"][i].get("sharded")
+                    if meta is not None and hasattr(monitor, "load_sharded"):
+                        prefix = f"mechmon.{i}."
+                        monitor.load_sharded(meta, {k[len(prefix):]: v for k, v in
+                                                    loaded.items() if k.startswith(prefix)})
+            except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
+                self._error("state load", exc)
+                ok = False
+        return self._agree_loaded(ok, fresh)
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; before :meth:`attach` it is applied at attach time.
@@ -445,7 +463,7 @@ class MechMon:
         baselines: the ranks that loaded roll back to the state they had before. Returns
         whether the state was loaded.
         """
-        fresh = self.state_dict() if state is not None else None
+        fresh = self.state_dict()
         ok = state is not None
         if ok:
             try:
@@ -453,13 +471,17 @@ class MechMon:
             except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
                 self._error("state load", exc)
                 ok = False
+        return self._agree_loaded(ok, fresh)
+
+    def _agree_loaded(self, ok: bool, fresh: Mapping[str, Any]) -> bool:
+        """One MAX all-reduce: True when every rank loaded; else roll back to ``fresh`` (the
+        failed load stays counted)."""
         missing = comm.all_reduce_max(torch.tensor([0 if ok else 1]), self.group)
         if int(missing.item()) == 0:
             return True
-        if fresh is not None:
-            errors = self.errors
-            self.load_state_dict(fresh)
-            self.errors = errors  # the failed load stays counted
+        errors = self.errors
+        self.load_state_dict(fresh)
+        self.errors = errors
         return False
 
     def close(self) -> None:

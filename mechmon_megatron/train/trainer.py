@@ -382,8 +382,9 @@ class _Trainer:
         )
 
         state = self._rank_state(step)
-        common, rows = self.mon.sharded_state() if self.mon is not None else (None, {})
-        state["mechmon_common"] = common
+        # mechmon's snapshots go to the sharded part only (rows of global tensors), the rest
+        # (detectors, alarm, counters, snapshot steps) to the rank file.
+        state["mechmon"], rows = self.mon.sharded_state() if self.mon is not None else (None, {})
         sharded = {"optimizer": optimizer_sharded(self.model, self.optimizer),
                    "mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
         path = save_checkpoint(self.cfg.save_dir(), step, self.model, state, sharded)
@@ -419,7 +420,6 @@ class _Trainer:
             "data": self.data.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()},
             "faults": self.faults.state_dict(),
-            "mechmon": self.mon.state_dict() if self.mon is not None else None,
             "divergence": {"ema": self.ema, "ema_min": self.ema_min,
                            "step": self.divergence_step},
         }
@@ -428,7 +428,7 @@ class _Trainer:
         """Load ``checkpoint.load``; returns mechmon's check_resume verdict (collective)."""
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        from mechmon_megatron.train.checkpoint import load_checkpoint
+        from mechmon_megatron.train.checkpoint import load_checkpoint, load_state, row_sharded
 
         state = load_checkpoint(self.cfg.checkpoint.load, self.model, self.layout)
         self.data.load_state_dict(state["data"])
@@ -446,7 +446,9 @@ class _Trainer:
         if self.mon is None:
             return None
         if not state["resharded"]:
-            self.mon.load_state_if_all(state["mechmon"])
+            self.mon.load_sharded(state["mechmon"], lambda rows: load_state(
+                state["path"], {"mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
+            ).get("mechmon", {}))
         return self.mon.check_resume(state["path"])
 
     def _load_resharded(self, state: dict[str, Any]) -> None:
@@ -465,9 +467,9 @@ class _Trainer:
             loaded.update(load_state(state["path"], {"optimizer": template, "mechmon": mech}))
             return loaded.get("mechmon", {})
 
-        if self.mon is not None and state.get("mechmon_common") is not None:
-            self.mon.load_sharded(state["mechmon_common"], load)
-        else:
+        if self.mon is not None:
+            self.mon.load_sharded(state["mechmon"], load)
+        if "optimizer" not in loaded:
             load({})
         with torch.no_grad():
             for index, moments in loaded.get("optimizer", {}).items():

@@ -26,28 +26,16 @@ import os
 import statistics
 import sys
 import time
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests._dist import run_distributed  # noqa: E402
 
 
-def _state_bytes(obj: Any) -> int:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
-    return 0
-
-
 def _rank(rank: int, world: int, layers: int, width: int, steps: int, split: bool) -> dict:
     import torch
 
+    from mechmon_megatron.commands.bench_cmd import state_bytes
     from mechmon_megatron.config import load_config
     from mechmon_megatron.integrations.megatron_core import build_monitors
     from mechmon_megatron.monitor import MechMon
@@ -89,7 +77,7 @@ def _rank(rank: int, world: int, layers: int, width: int, steps: int, split: boo
         step_times.append(time.thread_time() - t0)
     return {"qk": statistics.median(qk_times[1:]) * 1e3,
             "step": statistics.median(step_times[1:]) * 1e3,
-            "state": _state_bytes(mon.state_dict())}
+            "state": state_bytes(mon.state_dict())}
 
 
 def main() -> None:

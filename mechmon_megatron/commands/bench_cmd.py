@@ -69,15 +69,15 @@ class _Timed:
         return verdict
 
 
-def _state_bytes(obj: Any) -> int:
+def state_bytes(obj: Any) -> int:
     import torch
 
     if isinstance(obj, torch.Tensor):
         return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
-        return sum(_state_bytes(v) for v in obj.values())
+        return sum(state_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_state_bytes(v) for v in obj)
+        return sum(state_bytes(v) for v in obj)
     return 0
 
 
@@ -131,7 +131,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
                          "monitor_ms": 1e3 * trainer.mon.seconds / args.steps,
                          "share_pct": 100 * trainer.mon.seconds / (on * args.steps
                                                                    - trainer.mon.seconds),
-                         "state_mib": _state_bytes(mon.state_dict()) / 2**20,
+                         "state_mib": state_bytes(mon.state_dict()) / 2**20,
                          "rss_mib": max(0.0, _rss_mib() - rss),
                          "alarm": mon.alarm.alarm_step if mon.alarm is not None else None})
             trainer.mon = None

@@ -370,20 +370,22 @@ class MechMon:
                          "errors": self.errors},
         }
 
-    def sharded_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def sharded_state(self, rebuild_at: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(common state, row shards)`` for a framework's sharded checkpoint, where a resume
         may change the parallel layout; collective over the world.
 
         The common state is :meth:`state_dict` with the snapshots of monitors that keep them as
         rows of global tensors (``sharded_state()``: the QK monitor) replaced by their metadata;
         the row shards (``monitors.qk_state.RowShard``) are keyed ``mechmon.<monitor>.<key>``.
-        Restore with :meth:`load_sharded`.
+        ``rebuild_at``: the checkpoint's step, where the framework saves the weights the
+        monitors read (fp32 parameters): snapshots of that step are read again on load instead
+        of stored. Restore with :meth:`load_sharded`.
         """
         common = self.state_dict()
         shards: dict[str, Any] = {}
         for i, monitor in enumerate(self.monitors):
             if hasattr(monitor, "sharded_state"):
-                meta, rows = monitor.sharded_state()
+                meta, rows = monitor.sharded_state(rebuild_at)
                 common["monitors"][i] = dict(common["monitors"][i], snapshots={},
                                              sharded=meta)
                 shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
@@ -429,7 +431,13 @@ class MechMon:
             except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
                 self._error("state load", exc)
                 ok = False
-        return self._agree_loaded(ok, fresh)
+        if not self._agree_loaded(ok, fresh):
+            return False
+        for i, monitor in enumerate(self.monitors):  # collective reads, on every rank
+            meta = common["monitors"][i].get("sharded")
+            if meta is not None and hasattr(monitor, "rebuild_snapshots"):
+                monitor.rebuild_snapshots(meta)
+        return True
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; before :meth:`attach` it is applied at attach time.

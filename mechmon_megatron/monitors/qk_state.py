@@ -8,7 +8,9 @@ kv groups than TP ranks several ranks hold the same group (replicas 0, 1, ...). 
 sharded checkpoint (megatron-core ``dist_checkpointing``) saves those pieces once and hands any
 later layout the rows it holds, so a resume at another TP / DP size continues the same update
 windows instead of re-snapshotting. The step and shapes of every layer's snapshot travel as
-small metadata, gathered over all ranks at save time.
+small metadata, gathered over all ranks at save time. A snapshot taken at the checkpoint's own
+step equals what the read returns from the saved weights: where the framework saves those very
+weights it is not stored but read again after the load (``rebuild``).
 """
 
 from __future__ import annotations
@@ -66,11 +68,13 @@ def _layout(source: Any, local_groups: int) -> tuple[int, int, int, int, int]:
 
 
 def snapshot_shards(snapshots: Mapping[int, Mapping[str, Any]], sources: Sequence[Any],
-                    group: comm.Group = None) -> tuple[dict[int, dict], dict[str, RowShard]]:
+                    group: comm.Group = None, rebuild_at: int | None = None
+                    ) -> tuple[dict[int, dict], dict[str, RowShard]]:
     """``(metadata of every layer's snapshot over all ranks, this rank's row shards)``.
 
     Collective over ``group`` (one object all-gather of the metadata). Keys:
-    ``qk.layer_<L>.<wq|wk|wq_prev|wk_prev>``.
+    ``qk.layer_<L>.<wq|wk|wq_prev|wk_prev>``. A snapshot taken at step ``rebuild_at`` keeps
+    only its older pair; its ``wq``/``wk`` are marked ``rebuild`` (read again on load).
     """
     shards: dict[str, RowShard] = {}
     meta: dict[int, dict] = {}
@@ -80,13 +84,15 @@ def snapshot_shards(snapshots: Mapping[int, Mapping[str, Any]], sources: Sequenc
             continue
         local_groups = snap["wk"].shape[0]
         h0, heads, g0, groups, replica = _layout(source, local_groups)
-        names = [n for n in _TENSORS if snap.get(n) is not None]
+        rebuild = rebuild_at is not None and int(snap["step"]) == int(rebuild_at)
+        names = [n for n in _TENSORS if snap.get(n) is not None
+                 and not (rebuild and n in ("wq", "wk"))]
         for name in names:
             t = snap[name]
             rows, offset = (heads, h0) if name.startswith("wq") else (groups, g0)
             shards[f"qk.layer_{source.layer}.{name}"] = RowShard(t.detach().cpu().contiguous(),
                                                                 rows, offset, replica)
-        meta[source.layer] = {"step": int(snap["step"]), "names": names,
+        meta[source.layer] = {"step": int(snap["step"]), "names": names, "rebuild": rebuild,
                               "shape": [int(x) for x in snap["wq"].shape[1:]],
                               "dtype": str(snap["wq"].dtype).removeprefix("torch.")}
     return comm.all_gather_union(meta, group), shards
@@ -120,7 +126,7 @@ def restore_snapshots(meta: Mapping[int, Mapping[str, Any]], loaded: Mapping[str
     for source in sources:
         info = meta.get(source.layer)
         key = f"qk.layer_{source.layer}."
-        if info is None or key + "wq" not in loaded:
+        if info is None or not all(key + name in loaded for name in info["names"]):
             continue
         snap: dict[str, Any] = {"step": info["step"], "heads": source.head_index.tolist()}
         snap.update({name: loaded[key + name] for name in info["names"]})

@@ -214,10 +214,33 @@ class QKUpdateMonitor:
             sd["snapshots"].update(part)
         return sd
 
-    def sharded_state(self) -> tuple[dict[int, dict], dict[str, RowShard]]:
+    def sharded_state(self, rebuild_at: int | None = None
+                      ) -> tuple[dict[int, dict], dict[str, RowShard]]:
         """``(metadata, row shards)`` of the snapshots this rank owns, for a framework's sharded
-        checkpoint (:mod:`.qk_state`); collective over the world (the metadata is gathered)."""
-        return snapshot_shards(self.snapshots, [s for s in self.sources if self.owns(s.layer)])
+        checkpoint (:mod:`.qk_state`); collective over the world (the metadata is gathered).
+
+        ``rebuild_at``: the checkpoint's step, when the framework saves the very weights the
+        read returns (fp32 parameters): a snapshot taken at that step is not stored but read
+        again from the loaded model (:meth:`rebuild_snapshots`).
+        """
+        return snapshot_shards(self.snapshots, [s for s in self.sources if self.owns(s.layer)],
+                               rebuild_at=rebuild_at)
+
+    def rebuild_snapshots(self, meta: Mapping[int, Mapping[str, Any]]) -> None:
+        """Read again the snapshots saved as ``rebuild`` (after the model is loaded, on every
+        rank: the reads' exchange phases are collective; a failed read drops the snapshot)."""
+        layers = {int(layer) for layer, info in meta.items() if info.get("rebuild")}
+        for source in (s for s in self.sources if s.layer in layers):
+            if not self.owns(source.layer):
+                if source.dp_exchange:
+                    source.rows(lambda where, exc, s=source: self._error(s, where, exc))
+                continue
+            rows = source.rows(lambda where, exc, s=source: self._error(s, where, exc))
+            snap = self.snapshots.get(source.layer)
+            if rows is None or snap is None:
+                self.snapshots.pop(source.layer, None)
+                continue
+            _, _, snap["wq"], snap["wk"] = self._snapshot_of(*rows)
 
     def sharded_template(self, meta: Mapping[int, Mapping[str, Any]]) -> dict[str, RowShard]:
         """Empty row shards of the saved snapshots this rank owns under its current layout."""
@@ -281,6 +304,17 @@ class QKUpdateMonitor:
             out.update(self._layer_signals(source, step, pair))
         return out
 
+    def _snapshot_of(self, wq: torch.Tensor, wk: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(wq, wk)`` as float32 (rounded to bf16 first with ``snapshot_dtype: bf16``) and
+        their stored copies (snapshot dtype, offloaded to CPU with ``offload_snapshots``)."""
+        bf16 = self.config.snapshot_dtype == "bf16"
+        snap_dtype = torch.bfloat16 if bf16 else torch.float32
+        wq = wq.detach().to(snap_dtype).float() if bf16 else wq.detach().float()
+        wk = wk.detach().to(snap_dtype).float() if bf16 else wk.detach().float()
+        device = torch.device("cpu") if self.config.offload_snapshots else wq.device
+        return (wq, wk, wq.to(device, snap_dtype, copy=True),
+                wk.to(device, snap_dtype, copy=True))
+
     def _read(self, source: QKSource, step: int, rows: tuple[torch.Tensor, torch.Tensor]
               ) -> tuple[tuple, tuple] | None:
         """``((wq_prev, wq), (wk_prev, wk))`` float32 on the weights' device from the rows just
@@ -290,15 +324,9 @@ class QKUpdateMonitor:
         if wq.dim() != 3 or wk.dim() != 3 or wq.shape[0] != n_loc or wq.shape[1:] != wk.shape[1:]:
             raise ValueError(f"read() gave wq {tuple(wq.shape)}, wk {tuple(wk.shape)}; expected "
                              f"[{n_loc}, d_head, d_model] and [groups, d_head, d_model]")
-        bf16 = self.config.snapshot_dtype == "bf16"
-        snap_dtype = torch.bfloat16 if bf16 else torch.float32
-        wq = wq.detach().to(snap_dtype).float() if bf16 else wq.detach().float()
-        wk = wk.detach().to(snap_dtype).float() if bf16 else wk.detach().float()
+        wq, wk, snap_q, snap_k = self._snapshot_of(wq, wk)
         prev = self.snapshots.get(source.layer)
-        device = torch.device("cpu") if self.config.offload_snapshots else wq.device
-        snap = {"step": step, "heads": source.head_index.tolist(),
-                "wq": wq.to(device, snap_dtype, copy=True),
-                "wk": wk.to(device, snap_dtype, copy=True)}
+        snap = {"step": step, "heads": source.head_index.tolist(), "wq": snap_q, "wk": snap_k}
         self._older = None
         if prev is None or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape:
             self.snapshots[source.layer] = snap

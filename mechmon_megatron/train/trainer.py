@@ -384,7 +384,10 @@ class _Trainer:
         state = self._rank_state(step)
         # mechmon's snapshots go to the sharded part only (rows of global tensors), the rest
         # (detectors, alarm, counters, snapshot steps) to the rank file.
-        state["mechmon"], rows = self.mon.sharded_state() if self.mon is not None else (None, {})
+        # The trainer saves fp32 parameters, which is what the QK read returns: snapshots of
+        # this very step are read again on load rather than stored.
+        state["mechmon"], rows = (self.mon.sharded_state(rebuild_at=step)
+                                  if self.mon is not None else (None, {}))
         sharded = {"optimizer": optimizer_sharded(self.model, self.optimizer),
                    "mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
         path = save_checkpoint(self.cfg.save_dir(), step, self.model, state, sharded)

@@ -69,6 +69,17 @@ def test_a_restart_in_new_processes_gives_the_same_signals_and_alarm_step(tmp_pa
     assert straight_alarm is not None and straight_alarm > N
     assert resumed_alarm == straight_alarm
 
+    # Step N is a monitored step: its snapshots equal the saved fp32 weights, so only their
+    # older pair (qk.coherence) is stored and the current one is read again on load.
+    import torch
+
+    saved = torch.load(tmp_path / "half" / "checkpoints" / f"iter_{N:07d}" / "rank_00000.pt",
+                       weights_only=False)
+    meta = saved["mechmon"]["monitors"][0]["sharded"]
+    assert sorted(meta) == [1, 2]
+    assert all(m["rebuild"] and m["step"] == N and m["names"] == ["wq_prev", "wk_prev"]
+               for m in meta.values())
+
     straight = _monitored(tmp_path / "straight")
     resumed = _monitored(tmp_path / "resumed")
     after = [step for step in straight if step > N]

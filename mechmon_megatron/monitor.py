@@ -392,7 +392,8 @@ class MechMon:
         return common, shards
 
     def load_sharded(self, common: Mapping[str, Any] | None,
-                     load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]]) -> bool:
+                     load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]],
+                     resharded: bool = False) -> bool:
         """Restore :meth:`sharded_state` under this run's layout; collective (``load`` once,
         then one MAX all-reduce), fail-safe as :meth:`load_state_if_all`.
 
@@ -400,6 +401,9 @@ class MechMon:
             common: the saved common state (the same on every rank), or None.
             load: the framework's sharded load: ``{key: RowShard with an empty tensor} ->
                 {key: filled tensor}``, one call on every rank.
+            resharded: the layout changed since the save: monitors drop what belongs to the
+                saved rank's shards (``forget_rank_state``: the optim window snapshot and
+                sharpness warm start), since ``common`` is one rank's state.
 
         Returns:
             Whether the state was loaded (else every rank starts on fresh state).
@@ -433,6 +437,9 @@ class MechMon:
                 ok = False
         if not self._agree_loaded(ok, fresh):
             return False
+        for monitor in self.monitors if resharded else []:
+            if hasattr(monitor, "forget_rank_state"):
+                monitor.forget_rank_state()
         for i, monitor in enumerate(self.monitors):  # collective reads, on every rank
             meta = common["monitors"][i].get("sharded")
             if meta is not None and hasattr(monitor, "rebuild_snapshots"):

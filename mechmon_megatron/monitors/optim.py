@@ -168,6 +168,7 @@ class OptimMonitor:
                 out.update(self._ratios(step, weights))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
+                out.update(self._void())
         if self.estimator is not None and step % self.sharp_every == 0:
             # Collective on every rank: the readiness vote, then the probe's products.
             if self.estimator.ready():
@@ -215,11 +216,23 @@ class OptimMonitor:
         if self.estimator is not None and sd.get("sharpness") is not None:
             self.estimator.load_state_dict(sd["sharpness"])
 
+    def forget_rank_state(self) -> None:
+        """Drop what belongs to this rank's parameter shards (the window snapshot, the
+        sharpness warm start): after a resume under another layout they are other shards'."""
+        self.snapshot, self.snapshot_step = None, -1
+        if self.estimator is not None:
+            self.estimator.vector = None
+
     # -- internals -----------------------------------------------------------------------
 
     def _copy(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         device = torch.device("cpu") if self.config.update_ratio.offload_snapshots else None
         return [w.detach().to(device or w.device, torch.float32, copy=True) for w in weights]
+
+    def _void(self) -> dict[str, None]:
+        """This rank's update sums as void: NaN on every rank after the reduction."""
+        return {f"optim/{stat}/{key}": None for key in set(self.keys)
+                for stat in ("update_sq", "weight_sq")}
 
     def _weights(self) -> list[torch.Tensor] | None:
         """Local phase (caught), then the exchange every rank joins; None when void."""
@@ -237,15 +250,14 @@ class OptimMonitor:
                 ) -> dict[str, float | None]:
         if current is None:  # void on some rank: this rank's parts would make wrong sums
             self.snapshot = None
-            return {f"optim/{stat}/{key}": None for key in set(self.keys)
-                    for stat in ("update_sq", "weight_sq")}
+            return self._void()
         before = self.snapshot
         if self.config.update_ratio.window == "interval":
             self.snapshot, self.snapshot_step = self._copy(current), step
         else:
             self.snapshot = None
         if before is None or [t.shape for t in before] != [t.shape for t in current]:
-            return {}
+            return self._void()  # the other holders' parts alone would be a partial sum
         index = {key: i for i, key in enumerate(self.holders)}
         sums_K2 = torch.zeros(len(index), 2, dtype=torch.float64)
         rows, parts = [], []

@@ -72,15 +72,17 @@ def snapshot_shards(snapshots: Mapping[int, Mapping[str, Any]], sources: Sequenc
                     ) -> tuple[dict[int, dict], dict[str, RowShard]]:
     """``(metadata of every layer's snapshot over all ranks, this rank's row shards)``.
 
-    Collective over ``group`` (one object all-gather of the metadata). Keys:
+    Collective over ``group`` (one object all-gather of the metadata; layers whose owners
+    disagree are left out, see :func:`_agree`). Keys:
     ``qk.layer_<L>.<wq|wk|wq_prev|wk_prev>``. A snapshot taken at step ``rebuild_at`` keeps
     only its older pair; its ``wq``/``wk`` are marked ``rebuild`` (read again on load).
     """
     shards: dict[str, RowShard] = {}
-    meta: dict[int, dict] = {}
+    meta: dict[int, dict | None] = {}
     for source in sources:
         snap = snapshots.get(source.layer)
         if snap is None:
+            meta[source.layer] = None  # an owner without a snapshot: the layer is not saved
             continue
         local_groups = snap["wk"].shape[0]
         h0, heads, g0, groups, replica = _layout(source, local_groups)
@@ -88,14 +90,30 @@ def snapshot_shards(snapshots: Mapping[int, Mapping[str, Any]], sources: Sequenc
         names = [n for n in _TENSORS if snap.get(n) is not None
                  and not (rebuild and n in ("wq", "wk"))]
         for name in names:
-            t = snap[name]
-            rows, offset = (heads, h0) if name.startswith("wq") else (groups, g0)
-            shards[f"qk.layer_{source.layer}.{name}"] = RowShard(t.detach().cpu().contiguous(),
-                                                                rows, offset, replica)
+            # Query heads are never replicated; kv groups are when groups < TP.
+            rows, offset, copy = ((heads, h0, 0) if name.startswith("wq")
+                                  else (groups, g0, replica))
+            shards[f"qk.layer_{source.layer}.{name}"] = RowShard(
+                snap[name].detach().cpu().contiguous(), rows, offset, copy)
         meta[source.layer] = {"step": int(snap["step"]), "names": names, "rebuild": rebuild,
                               "shape": [int(x) for x in snap["wq"].shape[1:]],
                               "dtype": str(snap["wq"].dtype).removeprefix("torch.")}
-    return comm.all_gather_union(meta, group), shards
+    agreed = _agree(comm.all_gather_object(meta, group))
+    keep = {f"qk.layer_{layer}." for layer in agreed}
+    shards = {k: v for k, v in shards.items() if k[:k.rindex(".") + 1] in keep}
+    return agreed, shards
+
+
+def _agree(parts: Sequence[Mapping[int, dict | None]]) -> dict[int, dict]:
+    """Layers whose every owning rank reports the same snapshot (step, tensors, rebuild): a
+    layer one owner lacks or holds from another step (a failed read) is not saved at all, so
+    the saved rows of a layer always come from one step and cover all its heads."""
+    seen: dict[int, list[dict | None]] = {}
+    for part in parts:
+        for layer, info in part.items():
+            seen.setdefault(int(layer), []).append(info)
+    return {layer: infos[0] for layer, infos in sorted(seen.items())
+            if infos[0] is not None and all(i == infos[0] for i in infos)}
 
 
 def snapshot_template(meta: Mapping[int, Mapping[str, Any]], sources: Sequence[Any],
@@ -112,10 +130,11 @@ def snapshot_template(meta: Mapping[int, Mapping[str, Any]], sources: Sequence[A
         h0, heads, g0, groups, replica = _layout(source, groups_loc)
         dtype = getattr(torch, info["dtype"])
         for name in info["names"]:
-            rows, offset, n = ((heads, h0, source.head_index.numel()) if name.startswith("wq")
-                               else (groups, g0, groups_loc))
+            rows, offset, n, copy = ((heads, h0, source.head_index.numel(), 0)
+                                     if name.startswith("wq") else
+                                     (groups, g0, groups_loc, replica))
             out[f"qk.layer_{source.layer}.{name}"] = RowShard(
-                torch.empty(n, *info["shape"], dtype=dtype), rows, offset, replica)
+                torch.empty(n, *info["shape"], dtype=dtype), rows, offset, copy)
     return out
 
 

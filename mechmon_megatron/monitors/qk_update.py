@@ -285,8 +285,8 @@ class QKUpdateMonitor:
         self._warn_once(f"error:{where}:{type(exc).__name__}",
                         f"{where} failed on layer {source.layer} ({source.name}): {exc!r}")
 
-    def _observe(self, source: QKSource, step: int) -> dict[str, float]:
-        out: dict[str, float] = {}
+    def _observe(self, source: QKSource, step: int) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
         rows = source.rows(lambda where, exc: self._error(source, where, exc))
         pair = None
         if rows is not None:
@@ -294,11 +294,20 @@ class QKUpdateMonitor:
                 pair = self._read(source, step, rows)
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error(source, "read", exc)
+        heads = None
         if pair is not None:
             try:
-                out.update(self._head_signals(source, *pair))
+                heads = self._head_signals(source, *pair)
             except Exception as exc:  # noqa: BLE001
                 self._error(source, "per-head spectra", exc)
+        split = not self.config.per_head and source.head_index.numel() != source.num_heads
+        if heads is not None:
+            out.update(heads)
+        elif split:  # the other TP ranks' means alone would be a mean over a subset of heads
+            out.update({f"attn/{term}/{metric}/layer_{source.layer}/mean": None
+                        for term in self.terms for metric in METRICS})
+            out.update({f"attn/{term}/{metric}/layer_{source.layer}/mean": None
+                        for term, metric in self.extra})
         if self.layer_terms:
             # Collective on every rank of the sketch group, whatever this rank observed.
             out.update(self._layer_signals(source, step, pair))

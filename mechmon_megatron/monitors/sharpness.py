@@ -153,11 +153,12 @@ class SharpnessEstimator:
             return None
         scale = [(lr / d).sqrt() for lr, d in zip(state.lrs, state.denominators, strict=True)]
         params = [p.detach() for p in self.probe.params]
-        if self.vector is None:
-            # Cold start: the preconditioned momentum direction lies mostly in the top Hessian
-            # subspace and is identical on every replica (unlike fresh random draws).
-            self.vector = [s * m.float() for s, m in zip(scale, state.momentum, strict=True)]
-        start = [v.to(p.device, p.dtype) for v, p in zip(self.vector, params, strict=True)]
+        # Cold start (not stored: only a finished estimate updates the warm start, the same on
+        # every rank): the preconditioned momentum direction lies mostly in the top Hessian
+        # subspace and is identical on every replica (unlike fresh random draws).
+        vector = self.vector if self.vector is not None else [
+            s * m.float() for s, m in zip(scale, state.momentum, strict=True)]
+        start = [v.to(p.device, p.dtype) for v, p in zip(vector, params, strict=True)]
         return state, scale, params, start
 
     def estimate(self) -> dict[str, float]:

@@ -471,7 +471,7 @@ class _Trainer:
             return loaded.get("mechmon", {})
 
         if self.mon is not None:
-            self.mon.load_sharded(state["mechmon"], load)
+            self.mon.load_sharded(state["mechmon"], load, resharded=True)
         if "optimizer" not in loaded:
             load({})
         with torch.no_grad():

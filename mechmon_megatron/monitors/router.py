@@ -21,7 +21,6 @@ inference only in megatron-core) scale every count alike and leave every emitted
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -380,19 +379,20 @@ class RouterMonitor:
             start = stop
         table_LK = torch.cat(rows_LK)
         keys = list(WEIGHT_STATS)
+        biased: list[bool] = []
         if self.expert_bias:
-            nan = torch.full((), math.nan, dtype=torch.float64, device=table_LK.device)
-            norms_L = [
-                nan if b is None else torch.linalg.vector_norm(b.detach().to(nan))
-                for b in (s.read_expert_bias() for s in sources)
-            ]
+            zero = torch.zeros((), dtype=torch.float64, device=table_LK.device)
+            biases = [s.read_expert_bias() for s in sources]
+            biased = [b is not None for b in biases]
+            norms_L = [zero if b is None else torch.linalg.vector_norm(b.detach().to(zero))
+                       for b in biases]
             table_LK = torch.cat([table_LK, torch.stack(norms_L).unsqueeze(1)], dim=1)
             keys.append(BIAS_STAT)
         out = {}
-        for source, values in zip(sources, table_LK.tolist(), strict=True):
-            out.update(
-                {f"router/{k}/layer_{source.layer}": v for k, v in zip(keys, values, strict=True)}
-            )
+        for i, (source, values) in enumerate(zip(sources, table_LK.tolist(), strict=True)):
+            out.update({f"router/{k}/layer_{source.layer}": v
+                        for k, v in zip(keys, values, strict=True)
+                        if k != BIAS_STAT or biased[i]})  # a router without bias: not observed
         return out
 
     def _error(self, where: str, exc: Exception) -> None:

@@ -184,7 +184,7 @@ class SharpnessEstimator:
         eta = max(state.lrs) if state.lrs else math.nan
         return {
             "optim/sharpness/eos_ratio": result.value / eos_threshold(state.beta1),
-            "optim/sharpness/lambda": result.value / eta if eta > 0 else math.nan,
+            "optim/sharpness/lambda": result.value / eta if eta > 0 else None,
             "optim/sharpness/iters": float(result.iters),
             "optim/sharpness/residual": result.residual,
         }

@@ -409,8 +409,9 @@ class MechMon:
             Whether the state was loaded (else every rank starts on fresh state).
         """
         templates: dict[str, Any] = {}
-        ok = common is not None
+        ok, needs = common is not None, False
         try:
+            needs = ok and any(m.get("sharded") for m in common["monitors"])
             for i, monitor in enumerate(self.monitors if ok else []):
                 meta = common["monitors"][i].get("sharded")
                 if meta is not None and hasattr(monitor, "sharded_template"):
@@ -418,10 +419,11 @@ class MechMon:
                     templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
         except Exception as exc:  # noqa: BLE001 - voted below; the load still runs
             self._error("state load", exc)
-            ok, templates = False, {}
-        # The same on every rank (from the common state): whether any snapshot was saved.
-        needs = common is not None and any(m.get("sharded") for m in common["monitors"])
-        loaded = load(templates) if needs else {}
+            ok, needs, templates = False, False, {}
+        # Whether any snapshot was saved, agreed (a rank's common state may be unreadable), so
+        # every rank makes the sharded load or none does.
+        agreed = comm.all_reduce_max(torch.tensor([int(needs)]), self.group)
+        loaded = load(templates) if int(agreed.item()) else {}
         fresh = self.state_dict()
         if ok:
             try:

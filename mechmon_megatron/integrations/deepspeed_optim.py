@@ -276,5 +276,6 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
                          groups._get_expert_data_parallel_group(name), 1.0 / dp)
         return grads
 
-    probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch))
+    probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
+                           adam_collective=True)
     return OptimSource(entries, probe=probe, **phases)

@@ -170,12 +170,10 @@ class OptimMonitor:
                 self._error("update ratio", exc)
                 out.update(self._void())
         if self.estimator is not None and step % self.sharp_every == 0:
-            # Collective on every rank: the readiness vote, then the probe's products.
+            # Collective on every rank: the readiness vote, then the probe's products. An
+            # exception inside the products is not caught: it left this rank between them.
             if self.estimator.ready():
-                try:
-                    out.update(self.estimator.estimate())
-                except Exception as exc:  # noqa: BLE001
-                    self._error("sharpness", exc)
+                out.update(self.estimator.estimate())
         return out
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:

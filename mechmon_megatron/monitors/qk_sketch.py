@@ -18,12 +18,18 @@ from mechmon_megatron import comm
 from mechmon_megatron.math.sketch import SketchResult, subspace_iteration
 from mechmon_megatron.monitors.qk_source import QKSource
 
-__all__ = ["LAYER_TERMS", "LAYER_METRICS", "sketch_inputs", "operators", "sketch_term"]
+__all__ = ["LAYER_TERMS", "LAYER_METRICS", "SketchVoid", "sketch_inputs", "operators",
+           "sketch_term"]
 
 LAYER_TERMS = ("delta2", "dwq", "dwk")
 """Terms with a layer-level sketch."""
 LAYER_METRICS = ("entropy", "entropy_lo", "entropy_hi", "sigma1", "fro", "stable_rank")
 """Metrics of a layer-level sketch."""
+
+
+class SketchVoid(RuntimeError):
+    """A term's sketch is void on every rank of its group (raised by all of them together,
+    after the final vote); any other exception left a rank between the sketch's collectives."""
 
 
 def sketch_inputs(source: QKSource, pair: tuple | None) -> tuple:
@@ -139,7 +145,7 @@ def sketch_term(config: Any, seed: int, source: QKSource, step: int, term: str, 
     # One more collective on every rank: a local failure anywhere makes the term NaN
     # everywhere (the others summed a zero part in its place and would be silently wrong).
     if float(comm.all_reduce_max(torch.tensor([float(bool(failed))]), group)[0]) > 0:
-        raise failed[0] if failed else RuntimeError("layer sketch failed on another rank")
+        raise SketchVoid(failed[0] if failed else "a local part failed on another rank")
     return result
 
 

@@ -440,7 +440,7 @@ class QKUpdateMonitor:
                 result = qk_sketch.sketch_term(self.config.layer_sketch, self.seed, source, step,
                                                term, pair, gg_G, weight_G, float(agree[1]),
                                                float(agree[2]))
-            except Exception as exc:  # noqa: BLE001
+            except qk_sketch.SketchVoid as exc:  # raised on every rank of the group together
                 self._error(source, f"layer sketch {term}", exc)
                 continue
             values = (result.entropy, result.entropy_lo, result.entropy_hi,

@@ -102,6 +102,9 @@ class CurvatureProbe:
             parallel, DP mean, expert DP); collective.
         adam: ``() -> AdamState`` or ``None`` before the optimizer holds state for every param.
         group: ranks that share the model (world).
+        adam_collective: ``adam`` runs collectives (DeepSpeed's gathered, voted state): it is
+            then called outside the readiness vote's guard (a local failure inside it cannot
+            be voided); else a failure of it votes "not ready".
     """
 
     names: list[str]
@@ -111,6 +114,7 @@ class CurvatureProbe:
     reduce_grads: Callable[[list[torch.Tensor]], list[torch.Tensor]]
     adam: Callable[[], AdamState | None]
     group: comm.Group = None
+    adam_collective: bool = False
 
     def dot(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> float:
         """Global inner product over owned elements (one scalar SUM all-reduce)."""
@@ -137,18 +141,24 @@ class SharpnessEstimator:
     def ready(self) -> bool:
         """Prepare this rank's inputs (optimizer state, preconditioner, start vector: local, may
         fail) and vote (one MAX all-reduce): True when every rank of the group is ready."""
-        local = 1
+        local, self._inputs = 1, None
+        state = self.probe.adam() if self.probe.adam_collective else None
         try:
-            self._inputs = self._prepare()
+            self._inputs = self._prepare(state)
             local = int(self._inputs is None)
         except Exception:  # noqa: BLE001 - a rank that cannot prepare votes "not ready"
             self._inputs = None
         vote = comm.all_reduce_max(torch.tensor([local], dtype=torch.int64), self.probe.group)
-        return int(vote.item()) == 0
+        if int(vote.item()) != 0:
+            self._inputs = None  # hold no optimizer state until the next evaluation
+            return False
+        return True
 
-    def _prepare(self) -> tuple | None:
-        """``(state, scale, params, start)`` or None before the optimizer holds state."""
-        state = self.probe.adam()
+    def _prepare(self, state: AdamState | None) -> tuple | None:
+        """``(state, scale, params, start)`` or None before the optimizer holds state
+        (``state``: already read when ``adam`` is collective)."""
+        if not self.probe.adam_collective:
+            state = self.probe.adam()
         if state is None:
             return None
         scale = [(lr / d).sqrt() for lr, d in zip(state.lrs, state.denominators, strict=True)]

@@ -307,7 +307,7 @@ class DetectorBank:
                 continue
             f = long_run_factor([b.rho_hat for b in formed], self.config.warmup_samples)
             for b in formed:
-                b.long_run = f
+                b.credit(f)
             self._pooled[kind] = len(formed)
 
     def diagnosis(self) -> Diagnosis | None:

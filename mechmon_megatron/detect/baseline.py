@@ -18,8 +18,10 @@ non-alarming, at rate r:
 sqrt(pi / 2) * E|x - mu| = sigma for a Gaussian, so the scale stays a standard-deviation unit.
 
 ``rho_hat`` is the warm-up window's lag-1 autocorrelation; the bank pools it over the signal's
-kind into ``long_run``, ``f = (1 + rho) / (1 - rho)`` (detect/budget.py), by which CUSUM
-standardises so that autocorrelated healthy samples keep the false-alarm budget.
+kind into ``long_run``, ``f = (1 + rho) / (1 - rho)`` (detect/budget.py), which also corrects the
+warm-up scale (a correlated window spreads less than the signal), by which CUSUM
+standardises and robust z prewhitens (detect/detectors.py) so that autocorrelated healthy samples
+keep the false-alarm budget.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import statistics
 from typing import Any
 
 from mechmon_megatron.config import BaselineConfig
-from mechmon_megatron.detect.budget import lag1_autocorrelation
+from mechmon_megatron.detect.budget import lag1_autocorrelation, warmup_scale_factor
 
 __all__ = ["Baseline", "MAD_TO_SIGMA"]
 
@@ -62,6 +64,18 @@ class Baseline:
     def ready(self) -> bool:
         """True once the warm-up window is complete."""
         return not math.isnan(self.location)
+
+    def credit(self, long_run: float) -> None:
+        """Take the kind's pooled long-run factor ``f`` and correct the warm-up scale for the
+        credited correlation (:func:`~mechmon_megatron.detect.budget.warmup_scale_factor`)."""
+        before = warmup_scale_factor(self.rho, self.warmup_samples)
+        self.long_run = long_run
+        self.scale *= warmup_scale_factor(self.rho, self.warmup_samples) / before
+
+    @property
+    def rho(self) -> float:
+        """Credited lag-1 correlation, ``rho = (f - 1) / (f + 1)`` of ``long_run``."""
+        return (self.long_run - 1.0) / (self.long_run + 1.0)
 
     def observe(self, value: float) -> None:
         """Add a warm-up sample; the baseline forms on the last one."""

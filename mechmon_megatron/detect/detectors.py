@@ -10,7 +10,7 @@ until it has formed; ``direction`` orients z so that positive means "toward the 
 
 | detector     | rule                                                         | score        |
 | ------------ | ------------------------------------------------------------ | ------------ |
-| robust_z     | s > threshold on k of the last n samples                      | s            |
+| robust_z     | s(u) > threshold on k of the last n samples                   | s(u)         |
 | cusum        | S = max(0, S + clip(s / sqrt(f), +-h/2) - drift) > h           | S            |
 | bounds       | x < min or x > max on k of the last n samples                | distance out |
 | loss_spike   | Megatron: |x| >= factor * max |x| of the first num_samples     | |x| / max    |
@@ -19,7 +19,13 @@ until it has formed; ``direction`` orients z so that positive means "toward the 
 | nonfinite    | x is NaN or +-inf (the loss, once seen finite)               | inf          |
 
 ``f`` is the baseline's long-run-variance factor (1 for independent samples, see
-detect/budget.py). Onset step: robust_z, the first exceeding sample of the k; cusum, the sample
+detect/budget.py) and ``rho = (f - 1) / (f + 1)`` its credited lag-1 correlation. robust_z
+judges the prewhitened z (the residual chart for AR(1) data), ``u_t = (z_t - rho z_(t-1)) /
+sqrt(1 - rho^2)``, whose samples are independent under the healthy null, so the k-of-n
+probability of detect/budget.py holds for autocorrelated signals too; ``u = z`` exactly when no
+correlation is credited, and for the first sample after a reset.
+
+Onset step: robust_z, the first exceeding sample of the k; cusum, the sample
 at which S last left zero (the change-point estimate); the others, the finding's own step.
 """
 
@@ -132,9 +138,11 @@ class Detector:
         return {k: copy.deepcopy(getattr(self, k)) for k in keys}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` exactly."""
+        """Restore :meth:`state_dict` exactly (a key an older state lacks keeps its reset
+        value)."""
         for k in ("latched",) + self._state:
-            setattr(self, k, copy.deepcopy(sd[k]))
+            if k in sd:
+                setattr(self, k, copy.deepcopy(sd[k]))
 
     def _finding(
         self, step: int, onset: int, value: float, loc: float, scale: float, score: float
@@ -151,10 +159,11 @@ class Detector:
 
 
 class RobustZ(Detector):
-    """Oriented z beyond ``threshold`` on ``k`` of the last ``n`` samples (after warm-up)."""
+    """Oriented prewhitened z beyond ``threshold`` on ``k`` of the last ``n`` samples (after
+    warm-up)."""
 
     name = "robust_z"
-    _state = ("recent",)
+    _state = ("recent", "last_z")
 
     def __init__(
         self, signal: str, family: str, baseline: Baseline, config: RobustZConfig, direction: str
@@ -164,11 +173,16 @@ class RobustZ(Detector):
 
     def _clear(self) -> None:
         self.recent: list[list] = []  # [step, exceeded] of the last n samples
+        self.last_z: float | None = None
 
     def _update(self, step: int, value: float) -> Finding | None:
         if not self.baseline.ready:
             return None
-        s = orient(self.baseline.z(value), self.direction)
+        z, rho = self.baseline.z(value), self.baseline.rho
+        u = z if self.last_z is None or rho == 0.0 else (
+            (z - rho * self.last_z) / math.sqrt(1.0 - rho * rho))
+        self.last_z = z
+        s = orient(u, self.direction)
         exceeded = s > self.config.threshold
         self.recent = (self.recent + [[step, exceeded]])[-self.config.n :]
         hits = [t for t, e in self.recent if e]

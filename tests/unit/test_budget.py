@@ -18,6 +18,7 @@ from mechmon_megatron.detect.budget import (
     long_run_factor,
     per_sample_probability,
     robust_z_threshold,
+    warmup_scale_factor,
 )
 from mechmon_megatron.detect.peers import PeerGroups
 
@@ -109,6 +110,71 @@ def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_
     restored.load_state_dict(bank.state_dict())
     restored_f = restored.channels[names[3]].baseline.long_run
     assert restored_f == bank.channels[names[3]].baseline.long_run
+
+
+def test_robust_z_prewhitens_by_the_credited_correlation():
+    """Forty layers of AR(1) noise (phi 0.8) at a low threshold (2.0, 3 of 4): judged as
+    independent (warm-up windows without correlation, nothing credited) the rule fires on most
+    layers within 500 samples, because exceedances come in runs; with the correlation credited
+    from correlated warm-up windows (residuals, warm-up scale corrected) it fires about as
+    often as on independent noise (6-7 layers of 40 there: the scale of a 20-sample window is
+    itself noisy), and a persistent shift still fires everywhere."""
+    cfg = load_config({"detectors": {"attn": {"cusum": {"enabled": False}, "peer_signals": [],
+                                              "robust_z": {"threshold": 2.0, "k": 3, "n": 4}}}})
+    names = [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, 41)]
+    rng = random.Random(11)
+
+    def fired(warm: list[list[float]], shift: float = 0.0) -> int:
+        bank = DetectorBank(cfg, names)
+        for t in range(20):
+            bank.update(t, {n: w[t] for n, w in zip(names, warm, strict=True)})
+        later = [_ar1(0.8, 500, rng) for _ in names]
+        hits = set()
+        for t in range(500):
+            table = {n: x[t] - shift for n, x in zip(names, later, strict=True)}
+            hits |= {f.signal for f in bank.update(20 + t, table) if f.detector == "robust_z"}
+        return len(hits), bank
+
+    independent = [[5.0 + rng.gauss(0, 1) for _ in range(20)] for _ in names]
+    n_fired, bank = fired(independent)
+    assert bank.channels[names[0]].baseline.rho < 0.1 and n_fired >= 20
+    n_fired, bank = fired([_ar1(0.8, 20, rng) for _ in names])
+    assert bank.channels[names[0]].baseline.rho > 0.5 and n_fired <= 12
+    n_fired, _ = fired([_ar1(0.8, 20, rng) for _ in names], shift=8.0)
+    assert n_fired == len(names)
+
+
+def test_robust_z_residual_follows_the_formula_and_round_trips():
+    cfg = load_config({"detectors": {"attn": {"cusum": {"enabled": False}, "peer_signals": [],
+                                              "robust_z": {"threshold": 3.0, "k": 3, "n": 4}}}})
+    name = "attn/delta2/entropy/layer_1/min"
+
+    def bank_at(rho_hat: float) -> DetectorBank:
+        """A formed baseline (0, 1) whose warm-up lag-1 estimate was ``rho_hat``."""
+        bank = DetectorBank(cfg, [name])
+        b = bank.channels[name].baseline
+        b.location, b.scale, b.rho_hat = 0.0, 1.0, rho_hat
+        return bank
+
+    slow = [0.0, -3.5, -3.6, -3.4, -3.5]  # a slow excursion (entropies alarm downward)
+    independent = bank_at(math.nan)  # nothing credited
+    assert any(independent.update(t, {name: x}) for t, x in enumerate(slow))
+    correlated = bank_at(0.9)  # credited rho: the cap, 0.8
+    assert not any(correlated.update(t, {name: x}) for t, x in enumerate(slow))
+    rz = correlated.channels[name].detectors[0]
+    assert rz.last_z < -2.0 and [e for _, e in rz.recent] == [True, False, False, False]
+    restored = bank_at(0.9)
+    restored.load_state_dict(correlated.state_dict())
+    assert restored.channels[name].detectors[0].last_z == rz.last_z
+    b = correlated.channels[name].baseline
+    assert b.rho == pytest.approx(0.8)
+    assert warmup_scale_factor(0.8, 20) == pytest.approx(1.21, abs=0.01)
+    shift = bank_at(0.9)
+    steps = enumerate([0.0] + [-15.0] * 3)
+    found = [f for t, x in steps for f in shift.update(t, {name: x})]
+    b = shift.channels[name].baseline
+    z = (-15.0 - b.location) / b.scale
+    assert [f.step for f in found] == [3] and found[0].score == pytest.approx(-0.2 * z / 0.6)
 
 
 def test_the_bank_resolves_null_thresholds_from_the_budget_and_the_model_size():

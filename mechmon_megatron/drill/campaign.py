@@ -198,7 +198,7 @@ def build_campaign(spec: CampaignSpec, config: str | Path | None = None) -> Camp
                      _train_config(spec, m, s, None, mechmon))
             for m in spec.models for s in spec.seeds]
     for f in spec.faults:
-        for s in spec.seeds:
+        for s in f.seeds or spec.seeds:
             runs.append(DrillRun(f"{f.name}-s{s}", f.name, f.class_, f.model, s,
                                  f"healthy-{f.model}-s{s}", f.onset_step(spec.steps), f.control,
                                  _expected(f), _train_config(spec, f.model, s, f, mechmon)))

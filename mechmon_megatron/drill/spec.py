@@ -32,6 +32,8 @@ Schema (defaults in brackets)::
         model: str                       a key of ``models``
         onset: int | float               first faulty step; a number in (0, 1) is a fraction
                                          of ``steps`` (rounded down)
+        seeds: [int, ...] | null         the seeds this fault runs on, a subset of the
+                                         campaign's [null: every seed]
         control: bool [false]            a healthy control (e.g. fp8 matched delta): scored as
                                          a healthy run, every alarm is a false alarm
         attention|lr|router|fp8_attention: {...}   the fault section fields (strength)
@@ -133,6 +135,8 @@ class FaultSpec:
     """Key of the campaign's ``models``."""
     onset: float = 0.0
     """First faulty step (an integer >= 1), or a fraction of ``steps`` in (0, 1)."""
+    seeds: list[int] | None = None
+    """Seeds this fault runs on (a subset of the campaign's); None: every seed."""
     control: bool = False
     """A healthy control: scored with the healthy runs (any alarm is a false alarm)."""
     attention: AttentionFaultConfig = field(default_factory=AttentionFaultConfig)
@@ -202,6 +206,10 @@ class CampaignSpec:
             require(f.model in self.models, f"{at}.model", f.model,
                     f"one of {sorted(self.models)}")
             require(names.count(f.name) == 1, f"{at}.name", f.name, "a unique name")
+            require(f.seeds is None or (bool(f.seeds) and len(set(f.seeds)) == len(f.seeds)
+                                        and set(f.seeds) <= set(self.seeds)),
+                    f"{at}.seeds", f.seeds,
+                    f"null or a non-empty list of distinct seeds from {self.seeds}")
             require(f.onset_step(self.steps) < self.steps, f"{at}.onset", f.onset,
                     f"an onset before the last step ({self.steps})")
             try:

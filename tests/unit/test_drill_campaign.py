@@ -62,6 +62,13 @@ def test_a_typo_in_a_campaign_file_is_refused_naming_the_dotted_field(tmp_path):
         load_campaign(_with("faults.0.onset", 1.5))
     with pytest.raises(ValueError, match=r"campaign\.monitor\.intervall: unknown key"):
         load_campaign(_with("monitor", {"intervall": 10}))
+    with pytest.raises(ValueError, match=r"campaign\.faults\[0\]\.seeds: invalid value \[3\]"):
+        load_campaign(_with("faults.0.seeds", [3]))
+
+
+def test_a_fault_may_run_on_a_subset_of_the_seeds():
+    runs = [r.name for r in build_campaign(load_campaign(_with("faults.0.seeds", [2]))).runs]
+    assert runs == ["healthy-dense-s1", "healthy-dense-s2", "attn-s2"]
 
 
 def test_a_campaign_cannot_carry_detector_tuning_or_a_model_seed():

@@ -49,7 +49,8 @@ reduced over :func:`mechmon_megatron.layouts.deepspeed_moe.router_group`. Tensor
 (an ``mpu`` with model-parallel size > 1, e.g. Megatron-DeepSpeed) are not supported by the
 HF-style QK layout and are rejected at attach time when the QK monitor is enabled; the optim
 family skips them with a warning. The optim family's reads and probe:
-:mod:`mechmon_megatron.integrations.deepspeed_optim` (no sharpness under ZeRO-3).
+:mod:`mechmon_megatron.integrations.deepspeed_optim` (ZeRO-3:
+:mod:`mechmon_megatron.integrations.deepspeed_zero3`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ averaging a dense parameter is identical on every data-parallel rank, owned by D
 DeepSpeed MoE expert parameter (``allreduce = False``, ``group_name``) is identical on the ranks
 of its expert-data-parallel group, owned by that group's rank 0.
 
-Sharpness probe (ZeRO 0-2, not the pipeline engine): the module's inputs of the first
+Sharpness probe (ZeRO 0-3, not the pipeline engine): the module's inputs of the first
 grad-enabled forward of each step are kept by reference (:class:`BatchCache`; nothing is copied
 or sliced, so ``sharpness.batch_size`` does not apply: the whole micro-batch is used). The loss
 is the module run functionally (``torch.func.functional_call`` on the displaced weights) in eval
@@ -25,9 +25,10 @@ reads its per-parameter state; ZeRO 1/2 and the bf16 optimizer gather ``exp_avg_
 ``exp_avg`` with ``safe_get_full_optimizer_state`` (collective, in parameter order) and take
 lr/betas/eps and the step from the wrapped optimizer's group.
 
-ZeRO-3 is not probed: the module's parameters are partitioned placeholders (``numel() == 0``
-outside DeepSpeed's gather hooks), so a functional call on them cannot evaluate the loss. Update
-ratios still run there (``safe_get_full_fp32_param`` gathers the fp32 partitions).
+ZeRO-3: the module's parameters are partitioned placeholders (``numel() == 0`` outside
+DeepSpeed's gather hooks), so the probe works on this rank's partitions and evaluates gradients
+through the module's own hooks (:mod:`mechmon_megatron.integrations.deepspeed_zero3`); update
+ratios read the full fp32 weights with ``safe_get_full_fp32_param`` as on the other stages.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.integrations.deepspeed_zero3 import zero3_probe
 from mechmon_megatron.layouts.hf_attention import full_fp32_weight
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
@@ -206,9 +208,15 @@ class _Adam:
 
 def _probe_unavailable(engine: Any, params: Sequence[torch.nn.Parameter]) -> str | None:
     """Why the probe cannot run on this engine, or None."""
+    from deepspeed.utils import groups
+
     if any(hasattr(p, "ds_id") for p in params):
-        return ("ZeRO-3 partitions the module's parameters into placeholders, so the loss "
-                "cannot be re-evaluated functionally")
+        if not all(getattr(p, "allreduce", True) for p in params):
+            return "DeepSpeed-MoE experts are not probed under ZeRO-3"
+        if any(comm.world_size(p.ds_process_group) != comm.world_size(
+                groups._get_data_parallel_group()) for p in params):
+            return "ZeRO-3 partitions over a group other than data parallelism (hpZ)"
+        return None
     if type(engine).__name__ == "PipelineEngine":
         return "a PipelineEngine's module is one pipeline stage, not the whole loss"
     if not any(hasattr(p, "_hp_mapping") for p in params) and not isinstance(
@@ -255,6 +263,10 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     dp = comm.world_size(dp_group)
     experts = sorted({p.group_name for d, p in zip(dense, params, strict=True) if not d})
 
+    if any(hasattr(p, "ds_id") for p in params):
+        return OptimSource(entries, probe=_zero3_probe(engine, names, params, batch, tracker,
+                                                       dp_group), **phases)
+
     def loss(override: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
         if batch.step is None:
             return None
@@ -279,3 +291,22 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
                            adam_collective=True)
     return OptimSource(entries, probe=probe, **phases)
+
+
+
+def _zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
+                 batch: BatchCache, tracker: Any, dp_group: comm.Group) -> CurvatureProbe:
+    """The probe over this rank's ZeRO-3 partitions, on the cached micro-batch."""
+
+    def loss() -> torch.Tensor | None:
+        if batch.step is None:
+            return None
+        batch.probing = True
+        try:
+            return scalar_loss(engine.module(*batch.args, **batch.kwargs))
+        finally:
+            batch.probing = False
+
+    return zero3_probe(engine, names, params, loss,
+                       lambda: batch.step == int(engine.global_steps) and batch.reducible,
+                       [(tracker.get_states, tracker.set_states)], dp_group)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +106,10 @@ class CurvatureProbe:
         adam_collective: ``adam`` runs collectives (DeepSpeed's gathered, voted state): it is
             then called outside the readiness vote's guard (a local failure inside it cannot
             be voided); else a failure of it votes "not ready".
+        gradient: ``points -> synchronised gradient at points`` for sources whose parameters
+            cannot be replaced functionally (ZeRO-3 partitions: the points are this rank's
+            partitions, written into the module and restored); replaces ``loss`` +
+            ``autograd.grad`` + ``reduce_grads``, and the products are then central differences.
     """
 
     names: list[str]
@@ -115,6 +120,7 @@ class CurvatureProbe:
     adam: Callable[[], AdamState | None]
     group: comm.Group = None
     adam_collective: bool = False
+    gradient: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
 
     def dot(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> float:
         """Global inner product over owned elements (one scalar SUM all-reduce)."""
@@ -135,6 +141,10 @@ class SharpnessEstimator:
 
     def __init__(self, config: Any, probe: CurvatureProbe) -> None:
         self.config, self.probe = config, probe
+        if config.method == "double_backward" and probe.gradient is not None:
+            warnings.warn("mechmon optim.sharpness: method double_backward needs the weights "
+                          "as autograd leaves, which this source does not expose (ZeRO-3 "
+                          "partitions); using finite_difference", RuntimeWarning, stacklevel=2)
         self.vector: list[torch.Tensor] | None = None
         self._inputs: tuple | None = None
 
@@ -218,6 +228,8 @@ class SharpnessEstimator:
 
     def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: float,
                  ) -> list[torch.Tensor]:
+        if self.probe.gradient is not None:
+            return self.probe.gradient([p + s * d for p, d in zip(params, u, strict=True)])
         points = [(p + s * d).requires_grad_(True) for p, d in zip(params, u, strict=True)]
         loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
         grads = torch.autograd.grad(loss, points, allow_unused=True)
@@ -227,7 +239,7 @@ class SharpnessEstimator:
 
     def _hvp(self, params: list[torch.Tensor], u: list[torch.Tensor], weight_norm: float,
              ) -> list[torch.Tensor]:
-        if self.config.method == "double_backward":
+        if self.config.method == "double_backward" and self.probe.gradient is None:
             points = [p.clone().requires_grad_(True) for p in params]
             loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
             return self.probe.reduce_grads(double_backward_hvp(loss, points, u))

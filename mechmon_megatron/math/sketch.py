@@ -9,7 +9,9 @@ call summing per-rank partial products) as long as every rank gets the same resu
 issues no collective itself, never branches on the values it receives, and calls the callables
 the same number of times with the same shapes on every rank (a non-finite result is zeroed and
 only flags the output NaN). The Gaussian test matrices come from the caller's ``torch.Generator``:
-the same seed on every rank gives the same Omega.
+the same seed on every rank gives the same Omega. They are drawn on the CPU and moved to
+``device`` (the operator's), where the whole iteration runs; the small results (singular values,
+quadrature nodes and weights, the non-finite flag) come back to the host in one transfer.
 
 Range finder (Halko, Martinsson, Tropp 2011, Alg. 4.4)::
 
@@ -93,11 +95,12 @@ def _orth(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(x).Q
 
 
-def _clean(x: torch.Tensor, bad: list[bool]) -> torch.Tensor:
+def _clean(x: torch.Tensor, bad: list[torch.Tensor]) -> torch.Tensor:
+    """``x`` in float64 with non-finite entries zeroed; ``bad[0]`` (a device flag, no host
+    sync) records whether there were any."""
     x = x.to(torch.float64)
-    finite = bool(torch.isfinite(x).all())
-    bad[0] = bad[0] or not finite
-    return x if finite else torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    bad[0] = bad[0] | ~torch.isfinite(x).all()
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def tail_entropy(
@@ -119,11 +122,16 @@ def tail_entropy(
     """
     p = p_head_L.to(torch.float64)
     p = p[p > 0]
-    h_head = float(-(p * p.log()).sum())
     m = max(float(tail_mass), 0.0)
+    return _tail_entropy(float(-(p * p.log()).sum()), float(p[-1]) if p.numel() else m, m,
+                         tail_mean_log_p, tail_len)
+
+
+def _tail_entropy(h_head: float, p_last: float, m: float, tail_mean_log_p: float,
+                  tail_len: int) -> tuple[float, float, float]:
+    """:func:`tail_entropy` from the head's entropy and its smallest positive probability."""
     if m <= 0.0 or tail_len <= 0:
         return h_head, h_head, h_head
-    p_last = float(p[-1]) if p.numel() else m
     lower = h_head + m * math.log(1.0 / max(p_last, m / tail_len))
     upper = h_head + m * math.log(tail_len / m)
     if not math.isfinite(tail_mean_log_p):
@@ -144,6 +152,7 @@ def subspace_iteration(
     blocks: int = 3,
     fro2: float | None = None,
     rank_bound: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> SketchResult:
     """Top-k singular values, ``|M|_F^2`` and spectral entropy of an implicit operator.
 
@@ -162,6 +171,7 @@ def subspace_iteration(
         blocks: block-Lanczos steps of the tail quadrature (>= 1).
         fro2: exact ``|M|_F^2`` when the caller knows it.
         rank_bound: bound on ``rank(M)`` (default ``min(n_in, n_out)``).
+        device: where the iteration runs (the operator's device).
 
     Returns:
         :class:`SketchResult`; all-NaN floats when the operator returned non-finite values,
@@ -170,9 +180,9 @@ def subspace_iteration(
     width = min(rank + oversample, n_in, n_out)
     n = min(rank_bound or min(n_in, n_out), n_in, n_out)
     n_probe = max(min(probes, n_in - width), 0)
-    bad = [False]
-    omega_IL = torch.randn(n_in, width, generator=generator, dtype=torch.float64)
-    g_IS = torch.randn(n_in, n_probe, generator=generator, dtype=torch.float64)
+    bad = [torch.zeros((), dtype=torch.bool, device=device)]
+    omega_IL = torch.randn(n_in, width, generator=generator, dtype=torch.float64).to(device)
+    g_IS = torch.randn(n_in, n_probe, generator=generator, dtype=torch.float64).to(device)
     x_IL = _orth(omega_IL)
     for _ in range(power_iters):
         q_OL = _orth(_clean(matmat(x_IL), bad))
@@ -206,21 +216,30 @@ def subspace_iteration(
     theta_W, u_WW = torch.linalg.eigh(0.5 * (t_WW + t_WW.T))
     theta_W = theta_W.clamp_min(0.0)
     weight_W = (u_WW[:n_probe] ** 2).sum(0) * theta_W
-    tail_est = (n_in - width) / max(n_probe, 1) * float(weight_W.sum())
-    head = float((sigma_L**2).sum())
-    total = float(fro2) if fro2 is not None else head + tail_est
+    w_sum = weight_W.sum()
+    tail_est = (n_in - width) / max(n_probe, 1) * w_sum
+    head = (sigma_L**2).sum()
+    total = head + tail_est if fro2 is None else torch.full_like(head, float(fro2))
+    p_L = (sigma_L**2 / total).clamp_min(0.0)
+    log_p_W = (theta_W.clamp_min(1e-300) / total).log()
+    positive = p_L > 0
+    h_head = -torch.where(positive, p_L * p_L.clamp_min(1e-300).log(), 0.0).sum()
+    p_last = torch.where(positive, p_L, math.inf).min()
+    # The one device-to-host transfer: the spectrum and the scalars the tail entropy needs.
+    stats = torch.stack([total, head, tail_est, p_L.sum(), (weight_W * log_p_W).sum() / w_sum,
+                         h_head, p_last, bad[0].to(torch.float64), sigma_L[0]])
+    host = torch.cat([sigma_L[:rank], stats]).tolist()
+    sigma_K = torch.tensor(host[:-9], dtype=torch.float64)
+    total, head, tail, p_sum, mean_log_p, h_head, p_last, flag, sigma_1 = host[-9:]
     nan = math.nan
-    if bad[0] or not math.isfinite(total):
+    if flag > 0 or not math.isfinite(total):
         sigma = torch.full((min(rank, width),), nan, dtype=torch.float64)
         return SketchResult(sigma, nan, fro2 is not None, nan, nan, nan, nan, nan)
-    sigma_K = sigma_L[:rank]
     if total <= 0.0 or head <= 0.0:
         return SketchResult(sigma_K, max(total, 0.0), fro2 is not None, nan, nan, nan, nan, nan)
-    p_L = (sigma_L**2 / total).clamp_min(0.0)
-    mass = max(1.0 - float(p_L.sum()), 0.0)
-    log_p_W = (theta_W.clamp_min(1e-300) / total).log()
-    mean_log_p = float((weight_W * log_p_W).sum() / weight_W.sum()) if tail_est > 0 else nan
-    est, lo, hi = tail_entropy(p_L, mass, mean_log_p, n - width)
+    mass = max(1.0 - p_sum, 0.0)
+    est, lo, hi = _tail_entropy(h_head, p_last if math.isfinite(p_last) else mass, mass,
+                                mean_log_p if tail > 0 else nan, n - width)
     return SketchResult(
         sigma_K=sigma_K,
         fro2=total,
@@ -229,5 +248,5 @@ def subspace_iteration(
         entropy=est,
         entropy_lo=lo,
         entropy_hi=hi,
-        stable_rank=total / float(sigma_L[0]) ** 2,
+        stable_rank=total / sigma_1**2,
     )

@@ -141,7 +141,7 @@ def sketch_term(config: Any, seed: int, source: QKSource, step: int, term: str, 
     result = subspace_iteration(
         _guarded(matmat, n_out, group, failed), _guarded(rmatmat, d_model, group, failed),
         d_model, n_out, generator, rank=config.rank, oversample=config.oversample,
-        power_iters=config.power_iters, fro2=fro2, rank_bound=bound)
+        power_iters=config.power_iters, fro2=fro2, rank_bound=bound, device=pair[0][1].device)
     # One more collective on every rank: a local failure anywhere makes the term NaN
     # everywhere (the others summed a zero part in its place and would be silently wrong).
     if float(comm.all_reduce_max(torch.tensor([float(bool(failed))]), group)[0]) > 0:
@@ -169,7 +169,7 @@ def _guarded(local: Callable[[torch.Tensor], torch.Tensor], rows: int, group: co
             part = local(x).to(torch.float64)
         except Exception as exc:  # noqa: BLE001 - re-raised after the collectives
             failed.append(exc)
-            part = torch.zeros(rows, x.shape[1], dtype=torch.float64)
+            part = torch.zeros(rows, x.shape[1], dtype=torch.float64, device=x.device)
         return comm.all_reduce_sum(part, group)
 
     return call

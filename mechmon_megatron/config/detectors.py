@@ -1,0 +1,312 @@
+"""The ``detectors`` section: baselines, rules per family, comparison rules, the budget."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from mechmon_megatron.config.fields import require
+
+__all__ = ["BaselineConfig", "RobustZConfig", "CusumConfig", "BoundsConfig",
+           "FamilyDetectorConfig", "LossSpikeConfig", "ZSpikeConfig",
+           "ComparisonBaselinesConfig", "DetectorsConfig"]
+
+Direction = Literal["down", "up", "both"]
+
+
+@dataclass
+class BaselineConfig:
+    """Per-signal location/scale formed over the warm-up samples."""
+
+    method: Literal["median_mad", "ewma"] = "median_mad"
+    """``median_mad``: median and 1.4826 * MAD; ``ewma``: mean and standard deviation."""
+    mode: Literal["frozen", "tracked"] = "frozen"
+    """``frozen`` after warm-up, or ``tracked`` by non-alarming samples at ``track_rate``."""
+    track_rate: float = 0.01
+    """EWMA weight of one non-alarming sample when ``mode: tracked``."""
+    min_rel_scale: float = 0.001
+    """Floor of the scale relative to |location| (a constant signal has zero MAD)."""
+    min_abs_scale: float = 1e-12
+    """Absolute floor of the scale."""
+
+    def __post_init__(self) -> None:
+        require(0 < self.track_rate < 1, "track_rate", self.track_rate, "a number in (0, 1)")
+        require(self.min_rel_scale >= 0, "min_rel_scale", self.min_rel_scale, "a number >= 0")
+        require(self.min_abs_scale > 0, "min_abs_scale", self.min_abs_scale, "a number > 0")
+
+
+@dataclass
+class RobustZConfig:
+    """One-sided robust z-score rule with persistence: k of the last n samples beyond threshold."""
+
+    enabled: bool = True
+    """Run this rule."""
+    threshold: float | None = None
+    """|z| (in the alarm direction) a sample must exceed; z = (x - location) / scale. null:
+    from ``detectors.false_alarms_per_10k_steps`` (detect/budget.py)."""
+    k: int = 3
+    """Exceedances needed ..."""
+    n: int = 4
+    """... among the last n monitored samples."""
+
+    def __post_init__(self) -> None:
+        require(self.threshold is None or self.threshold > 0, "threshold", self.threshold,
+                "null or a number > 0")
+        require(self.n >= 1, "n", self.n, "an integer >= 1")
+        require(1 <= self.k <= self.n, "k", self.k, f"an integer in 1..n (n = {self.n})")
+
+
+@dataclass
+class CusumConfig:
+    """One-sided CUSUM on standardized values: S = max(0, S + z - drift), alarm when S > threshold.
+
+    Each z is clipped to +-threshold/2, so no single sample can fire it.
+    """
+
+    enabled: bool = True
+    """Run this rule."""
+    drift: float = 1.5
+    """Allowance subtracted per sample (half the smallest shift worth detecting, in scales)."""
+    threshold: float | None = None
+    """Decision interval h; null: from ``detectors.false_alarms_per_10k_steps``."""
+
+    def __post_init__(self) -> None:
+        require(self.drift > 0, "drift", self.drift, "a number > 0")
+        require(self.threshold is None or self.threshold > 0, "threshold", self.threshold,
+                "null or a number > 0")
+
+
+@dataclass
+class BoundsConfig:
+    """Absolute bounds, checked from the first sample (no baseline needed)."""
+
+    min: float | None = None
+    """Alarm when a value falls below this (null: no lower bound)."""
+    max: float | None = None
+    """Alarm when a value rises above this (null: no upper bound)."""
+    k: int = 1
+    """Samples out of bounds among the last ``n`` needed to alarm."""
+    n: int = 1
+    """Window of the k-of-n persistence rule."""
+
+    def __post_init__(self) -> None:
+        require(self.n >= 1, "n", self.n, "an integer >= 1")
+        require(1 <= self.k <= self.n, "k", self.k, f"an integer in 1..n ({self.n})")
+        if self.min is not None and self.max is not None:
+            require(self.min < self.max, "max", self.max, f"a number > min ({self.min})")
+
+
+@dataclass
+class FamilyDetectorConfig:
+    """Detectors applied to every signal of one family matched by ``signals``."""
+
+    enabled: bool = True
+    """Run this family's detectors."""
+    signals: list[str] = field(default_factory=list)
+    """Glob patterns over signal names: ``*`` stays within one path component, ``**`` crosses."""
+    direction: Direction = "both"
+    """Alarm direction of the family: ``down``, ``up`` or ``both``."""
+    directions: dict[str, Direction] = field(default_factory=dict)
+    """Per-pattern direction overrides (first matching pattern wins)."""
+    robust_z: RobustZConfig = field(default_factory=RobustZConfig)
+    """Robust z-score rule with persistence."""
+    cusum: CusumConfig = field(default_factory=CusumConfig)
+    """CUSUM rule (estimates the onset step)."""
+    bounds: BoundsConfig = field(default_factory=BoundsConfig)
+    """Absolute bounds."""
+    signal_bounds: dict[str, BoundsConfig] = field(default_factory=dict)
+    """Absolute bounds of the signals matching a pattern (first match), instead of ``bounds``."""
+    peer_signals: list[str] = field(default_factory=list)
+    """Signals (patterns) judged against their peers: each sample's relative departure from the
+    median of the same signal over all layers at that step (a fault is local, a schedule moves
+    every layer; detect/peers.py)."""
+    baseline: BaselineConfig | None = None
+    """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
+    defaults); null: use ``detectors.baseline``."""
+    start_delay: int | None = None
+    """Steps after ``detectors.start_step`` before this family's detectors judge; null: 0, and
+    for ``optim`` the memory of Adam's second moment, ceil(1 / (1 - beta2)) steps, where the
+    integration knows beta2 (the preconditioner must reflect the post-warm-up gradients before
+    the edge-of-stability bound means anything)."""
+
+    def __post_init__(self) -> None:
+        if self.start_delay is not None:
+            require(self.start_delay >= 0, "start_delay", self.start_delay, "an integer >= 0")
+
+
+_ATTN_ENTROPIES = [
+    "attn/delta2/entropy/layer_*/min",
+    "attn/layer_delta2/entropy/layer_*",
+    "attn/dwq/entropy/layer_*/min",
+    "attn/dwk/entropy/layer_*/min",
+]
+
+
+def _attn_family() -> FamilyDetectorConfig:
+    # Spectral entropies against the other layers at the same step (a biased kernel drives a few
+    # layers; warm-up and LR decay move all of them); the cosine of successive updates is
+    # scale-free, so it is read as is and rises when one direction is written step after step.
+    return FamilyDetectorConfig(
+        signals=[*_ATTN_ENTROPIES, "attn/coherence/cos/layer_*/max"],
+        direction="down",
+        directions={"attn/coherence/**": "up"},
+        peer_signals=list(_ATTN_ENTROPIES),
+        # Peer departures are fractions of the peers' level and the cosine lives in [-1, 1]:
+        # a scale floor of 0.02 (2% of the level, 0.02 in cosine) keeps the small wobbles of
+        # a short warm-up from reading as large z; slow drift of the peer offsets is tracked.
+        baseline=BaselineConfig(mode="tracked", track_rate=0.02, min_abs_scale=0.02),
+    )
+
+
+def _router_family() -> FamilyDetectorConfig:
+    return FamilyDetectorConfig(
+        signals=[
+            "router/entropy_mean/layer_*",
+            "router/weight_cosine/layer_*",
+            "router/maxvio/layer_*",
+        ],
+        direction="up",
+        directions={"router/entropy_mean/*": "down"},
+        # Experts specialise and routing sharpens slowly in healthy training: the baseline
+        # follows unsuspicious samples; its scale is floored at 2% of the level.
+        baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.02),
+    )
+
+
+def _optim_family() -> FamilyDetectorConfig:
+    return FamilyDetectorConfig(
+        signals=["optim/sharpness/eos_ratio", "optim/update_ratio/*"],
+        direction="up",
+        # Adam's stability condition (eta lambda < 38 at beta1 = 0.9) violated on two of three
+        # estimates: healthy training hovers at the edge (single estimates near 1), a
+        # too-large LR stays beyond it.
+        signal_bounds={"optim/sharpness/eos_ratio": BoundsConfig(max=1.0, k=2, n=3)},
+        # Update ratios fall with LR decay and drift with weight growth: a tracked baseline, a
+        # scale floor of 5% of the level (their sample-to-sample noise).
+        baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.05),
+    )
+
+
+def _fp8_family() -> FamilyDetectorConfig:
+    return FamilyDetectorConfig(
+        signals=[
+            "fp8/amax_log2/*/layer_*",
+            "fp8/headroom_log2/*/layer_*",
+            "fp8/max_attn_logit/max/layer_*",
+        ],
+        direction="up",
+        directions={"fp8/headroom_log2/**": "down"},
+    )
+
+
+def _global_family() -> FamilyDetectorConfig:
+    return FamilyDetectorConfig(
+        signals=["global/loss", "global/grad_norm"],
+        direction="up",
+        baseline=BaselineConfig(mode="tracked", track_rate=0.02),
+    )
+
+
+@dataclass
+class LossSpikeConfig:
+    """Megatron's spiky-loss rule: alarm when value >= factor * max of the first num_samples."""
+
+    enabled: bool = True
+    """Run this comparison rule on ``global/loss``."""
+    factor: float = 10.0
+    """Megatron's SPIKY_LOSS_FACTOR."""
+    num_samples: int = 100
+    """Samples whose max |value| forms the reference."""
+    alarm: bool = False
+    """Raise the alarm on a finding (false: only log it)."""
+
+    def __post_init__(self) -> None:
+        require(self.factor > 1, "factor", self.factor, "a number > 1")
+        require(self.num_samples > 0, "num_samples", self.num_samples, "an integer > 0")
+
+
+@dataclass
+class ZSpikeConfig:
+    """Rolling z-score spike rule: alarm when (x - mean) / std over the last window > threshold."""
+
+    enabled: bool = True
+    """Run this comparison rule."""
+    threshold: float = 6.0
+    """z a sample must exceed."""
+    window: int = 100
+    """Preceding samples forming mean and std (no finding before the window is full)."""
+    alarm: bool = False
+    """Raise the alarm on a finding (false: only log it)."""
+
+    def __post_init__(self) -> None:
+        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+        require(self.window > 1, "window", self.window, "an integer > 1")
+
+
+@dataclass
+class ComparisonBaselinesConfig:
+    """Loss and grad-norm rules of the frameworks, run beside ours to compare like with like."""
+
+    loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
+    """Megatron's 10x spiky-loss rule on ``global/loss``."""
+    loss_z: ZSpikeConfig = field(default_factory=ZSpikeConfig)
+    """Rolling z-score on ``global/loss``."""
+    grad_norm_z: ZSpikeConfig = field(default_factory=ZSpikeConfig)
+    """Rolling z-score on ``global/grad_norm``."""
+
+
+@dataclass
+class DetectorsConfig:
+    """Per-signal baselines and the detectors of each family."""
+
+    false_alarms_per_10k_steps: float = 0.01
+    """False-alarm budget of the whole monitor: every rule threshold left null follows from it,
+    the number of watched signals and their monitor intervals (detect/budget.py)."""
+    warmup_samples: int = 20
+    """Monitored samples of each signal forming its baseline."""
+    start_step: int = 0
+    """Samples at steps before this are ignored (except a non-finite loss); 0: the end of the
+    LR warm-up where the integration knows it (reference trainer, Megatron-LM's warm-up flags,
+    DeepSpeed's ``Warmup*`` schedulers), else from the start."""
+    compound_window: int = 0
+    """Two families whose first onsets lie within this many steps make a ``compound`` fault."""
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
+    """Baseline of every family without its own."""
+    attn: FamilyDetectorConfig = field(default_factory=_attn_family)
+    """Attention (QK-update) signals."""
+    router: FamilyDetectorConfig = field(default_factory=_router_family)
+    """MoE router signals."""
+    optim: FamilyDetectorConfig = field(default_factory=_optim_family)
+    """Optimizer signals: the absolute edge-of-stability bound on the preconditioned sharpness
+    (an alarm at eos_ratio > 1 needs no baseline) and update ratios against their baseline."""
+    fp8: FamilyDetectorConfig = field(default_factory=_fp8_family)
+    """FP8 scaling signals (Transformer Engine): amax growth, saturation headroom, max logits."""
+    global_: FamilyDetectorConfig = field(
+        default_factory=_global_family, metadata={"key": "global"}
+    )
+    """Loss and grad norm (a non-finite loss is always a finding of this family)."""
+    baselines: ComparisonBaselinesConfig = field(default_factory=ComparisonBaselinesConfig)
+    """Comparison rules (Megatron spiky loss, z-score spikes); they only log by default."""
+
+    def __post_init__(self) -> None:
+        require(self.warmup_samples >= 3, "warmup_samples", self.warmup_samples, "an integer >= 3")
+        require(self.false_alarms_per_10k_steps > 0, "false_alarms_per_10k_steps",
+                self.false_alarms_per_10k_steps, "a number > 0")
+        require(self.start_step >= 0, "start_step", self.start_step, "an integer >= 0")
+        require(
+            self.compound_window >= 0, "compound_window", self.compound_window, "an integer >= 0"
+        )
+        for key, fam in self.families().items():
+            for i, pattern in enumerate(fam.signals):
+                require(
+                    pattern.startswith(key + "/"),
+                    f"{key}.signals[{i}]",
+                    pattern,
+                    f"a pattern starting with '{key}/'",
+                )
+
+    def families(self) -> dict[str, FamilyDetectorConfig]:
+        """``{family: config}`` keyed by signal family name (attn, router, optim, global)."""
+        return {"attn": self.attn, "router": self.router,
+                "fp8": self.fp8, "optim": self.optim,
+                "global": self.global_}

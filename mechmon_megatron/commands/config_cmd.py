@@ -6,7 +6,8 @@
                                         every field as YAML, each with its docstring as comment
 
 ``configs/full.yaml`` in the repository is ``mechmon config defaults`` verbatim (a unit test
-keeps them equal), so the comments there are the field docstrings of the ``mechmon_megatron.config`` package.
+keeps them equal), so the comments there are the field docstrings of the
+``mechmon_megatron.config`` package.
 """
 
 from __future__ import annotations

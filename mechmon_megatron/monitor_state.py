@@ -1,0 +1,233 @@
+"""The orchestrator's state: saved with the framework's checkpoint, restored on every rank alike.
+
+:class:`StateMixin` is part of :class:`mechmon_megatron.monitor.MechMon`: its state dict
+(monitors, detectors, counters, the alarm), the sharded form for checkpoints whose parallel
+layout may change on resume, fail-safe loads (every rank loads, or every rank starts fresh) and
+the resume check that re-raises an unacknowledged alarm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.actions import raise_alarm
+from mechmon_megatron.alarm import Alarm, consensus, utc_now
+from mechmon_megatron.verdict import Verdict
+
+__all__ = ["StateMixin"]
+
+logger = logging.getLogger("mechmon_megatron.monitor")
+
+
+class StateMixin:
+    """State and resume methods of :class:`~mechmon_megatron.monitor.MechMon`."""
+
+    def check_resume(self, checkpoint: str | None = None) -> Verdict | None:
+        """After loading a checkpoint: re-raise an unacknowledged alarm or re-arm detection.
+
+        Collective: call on every rank, before the first training step. If the loaded state holds
+        an alarm whose id differs from ``config.actions.acknowledge``, the alarm is raised again
+        at once (same id, evidence and exit code; the alarm file is rewritten; no new checkpoint)
+        with the configured action. If the id matches, the alarm is marked acknowledged, the
+        detectors are reset to learn fresh baselines, and training continues.
+
+        Args:
+            checkpoint: path of the checkpoint just loaded; the alarm file is rewritten beside
+                it (the state inside a checkpoint was captured before its path was known).
+                Without it: where the alarm file was last written, else ``output_dir``.
+
+        Returns:
+            ``None`` when no alarm was pending; a :class:`Verdict` carrying the re-raised alarm;
+            or, after an acknowledgement, an unmonitored :class:`Verdict` without alarm.
+        """
+        pending = self.alarm
+        agreed = consensus(pending is not None,
+                           pending.onset_step if pending else -1,
+                           pending.alarm_step if pending else -1, self.group)
+        if not agreed.alarm:
+            return None
+        record = pending.to_dict() if pending is not None else None
+        alarm = Alarm.from_dict(comm.broadcast_object(record, src=agreed.source_rank,
+                                                      group=self.group))
+        leader = comm.rank(self.group) == 0
+        ack = self.config.actions.acknowledge
+        if ack is not None and str(ack) == alarm.alarm_id:
+            alarm.acknowledged_at = utc_now()
+            self.acknowledged.append(alarm.to_dict())
+            self.alarm = None
+            self.detectors.reset()
+            if leader:
+                logger.warning("mechmon: alarm %s (%s, alarm step %d) acknowledged; detection "
+                               "re-armed on fresh baselines", alarm.alarm_id, alarm.fault_class,
+                               alarm.alarm_step)
+            return Verdict(alarm.alarm_step, monitored=False)
+        if leader and ack is not None:
+            logger.warning("mechmon: actions.acknowledge=%r does not match the pending alarm id "
+                           "%r", ack, alarm.alarm_id)
+        self.alarm = alarm
+        if checkpoint is not None:
+            alarm.alarm_checkpoint = alarm.alarm_checkpoint or str(checkpoint)
+            directory = os.path.dirname(os.path.abspath(str(checkpoint)))
+        elif alarm.path:
+            directory = os.path.dirname(alarm.path)
+        else:
+            directory = self._default_alarm_dir()
+        exit_requested = raise_alarm(alarm, self.config.actions.on_alarm, self.framework,
+                                     group=self.group, alarm_dir=directory, save=False)
+        return Verdict(alarm.alarm_step, False, alarm=alarm, exit_requested=exit_requested)
+
+    def state_dict(self, full: bool = False) -> dict[str, Any]:
+        """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able).
+
+        ``full``: monitors that split work over DP replicas (QK snapshots) gather every
+        replica's part (collective on every rank), for frameworks that save one copy per
+        model-parallel rank; a rank then keeps only its own part on load.
+        """
+        return {
+            "version": 1,
+            "monitors": [m.full_state_dict() if full and hasattr(m, "full_state_dict")
+                         else m.state_dict() for m in self.monitors],
+            "detectors": self.detectors.state_dict() if self.detectors is not None else None,
+            "alarm": self.alarm.to_dict() if self.alarm is not None else None,
+            "acknowledged": list(self.acknowledged),
+            "checkpoints": [list(c) for c in self.checkpoints],
+            "counters": {"last_step": self.last_step, "monitored_steps": self.monitored_steps,
+                         "errors": self.errors},
+        }
+
+    def sharded_state(self, rebuild_at: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(common state, row shards)`` for a framework's sharded checkpoint, where a resume
+        may change the parallel layout; collective over the world.
+
+        The common state is :meth:`state_dict` with the snapshots of monitors that keep them as
+        rows of global tensors (``sharded_state()``: the QK monitor) replaced by their metadata;
+        the row shards (``monitors.qk_state.RowShard``) are keyed ``mechmon.<monitor>.<key>``.
+        ``rebuild_at``: the checkpoint's step, where the framework saves the weights the
+        monitors read (fp32 parameters): snapshots of that step are read again on load instead
+        of stored. Restore with :meth:`load_sharded`.
+        """
+        common = self.state_dict()
+        shards: dict[str, Any] = {}
+        for i, monitor in enumerate(self.monitors):
+            if hasattr(monitor, "sharded_state"):
+                meta, rows = monitor.sharded_state(rebuild_at)
+                common["monitors"][i] = dict(common["monitors"][i], snapshots={},
+                                             sharded=meta)
+                shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
+        return common, shards
+
+    def load_sharded(self, common: Mapping[str, Any] | None,
+                     load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]],
+                     resharded: bool = False) -> bool:
+        """Restore :meth:`sharded_state` under this run's layout; collective (``load`` once,
+        then one MAX all-reduce), fail-safe as :meth:`load_state_if_all`.
+
+        Args:
+            common: the saved common state (the same on every rank), or None.
+            load: the framework's sharded load: ``{key: RowShard with an empty tensor} ->
+                {key: filled tensor}``, one call on every rank.
+            resharded: the layout changed since the save: monitors drop what belongs to the
+                saved rank's shards (``forget_rank_state``: the optim window snapshot and
+                sharpness warm start), since ``common`` is one rank's state.
+
+        Returns:
+            Whether the state was loaded (else every rank starts on fresh state).
+        """
+        templates: dict[str, Any] = {}
+        ok, needs = common is not None, False
+        try:
+            needs = ok and any(m.get("sharded") for m in common["monitors"])
+            for i, monitor in enumerate(self.monitors if ok else []):
+                meta = common["monitors"][i].get("sharded")
+                if meta is not None and hasattr(monitor, "sharded_template"):
+                    rows = monitor.sharded_template(meta)
+                    templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
+        except Exception as exc:  # noqa: BLE001 - voted below; the load still runs
+            self._error("state load", exc)
+            ok, needs, templates = False, False, {}
+        # Whether any snapshot was saved, agreed (a rank's common state may be unreadable), so
+        # every rank makes the sharded load or none does.
+        agreed = comm.all_reduce_max(torch.tensor([int(needs)]), self.group)
+        loaded = load(templates) if int(agreed.item()) else {}
+        fresh = self.state_dict()
+        if ok:
+            try:
+                self.load_state_dict(common)
+                for i, monitor in enumerate(self.monitors):
+                    meta = common["monitors"][i].get("sharded")
+                    if meta is not None and hasattr(monitor, "load_sharded"):
+                        prefix = f"mechmon.{i}."
+                        monitor.load_sharded(meta, {k[len(prefix):]: v for k, v in
+                                                    loaded.items() if k.startswith(prefix)})
+            except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
+                self._error("state load", exc)
+                ok = False
+        if not self._agree_loaded(ok, fresh):
+            return False
+        for monitor in self.monitors if resharded else []:
+            if hasattr(monitor, "forget_rank_state"):
+                monitor.forget_rank_state()
+        for i, monitor in enumerate(self.monitors):  # collective reads, on every rank
+            meta = common["monitors"][i].get("sharded")
+            if meta is not None and hasattr(monitor, "rebuild_snapshots"):
+                monitor.rebuild_snapshots(meta)
+        return True
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; before :meth:`attach` it is applied at attach time.
+
+        Raises:
+            ValueError: the state was saved with a different number of monitors.
+        """
+        if self.detectors is None:
+            self._pending_state = dict(sd)
+            return
+        if len(sd["monitors"]) != len(self.monitors):
+            raise ValueError(f"mechmon state has {len(sd['monitors'])} monitors, "
+                             f"{len(self.monitors)} attached")
+        for monitor, state in zip(self.monitors, sd["monitors"], strict=True):
+            monitor.load_state_dict(state)
+        if sd["detectors"] is not None:
+            self.detectors.load_state_dict(sd["detectors"])
+        self.alarm = Alarm.from_dict(sd["alarm"]) if sd["alarm"] is not None else None
+        self.acknowledged = list(sd["acknowledged"])
+        self.checkpoints = [(int(s), str(p)) for s, p in sd["checkpoints"]]
+        counters = sd["counters"]
+        self.last_step = int(counters["last_step"])
+        self.monitored_steps = int(counters["monitored_steps"])
+        self.errors = int(counters["errors"])
+
+    def load_state_if_all(self, state: Mapping[str, Any] | None) -> bool:
+        """Load ``state`` only if every rank can; collective (one MAX all-reduce).
+
+        Detectors must stay identical across ranks, so a rank whose state is missing,
+        unreadable or fails to load (caught, counted, warned) makes every rank start on fresh
+        baselines: the ranks that loaded roll back to the state they had before. Returns
+        whether the state was loaded.
+        """
+        fresh = self.state_dict()
+        ok = state is not None
+        if ok:
+            try:
+                self.load_state_dict(state)
+            except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
+                self._error("state load", exc)
+                ok = False
+        return self._agree_loaded(ok, fresh)
+
+    def _agree_loaded(self, ok: bool, fresh: Mapping[str, Any]) -> bool:
+        """One MAX all-reduce: True when every rank loaded; else roll back to ``fresh`` (the
+        failed load stays counted)."""
+        missing = comm.all_reduce_max(torch.tensor([0 if ok else 1]), self.group)
+        if int(missing.item()) == 0:
+            return True
+        errors = self.errors
+        self.load_state_dict(fresh)
+        self.errors = errors
+        return False

@@ -45,6 +45,8 @@ __all__ = [
     "biased_round",
     "bf16_flash_attention",
     "BF16FlashAttention",
+    "flash_inputs",
+    "self_attentions",
     "install_bf16_attention",
     "emulated_layers",
 ]
@@ -182,6 +184,22 @@ def bf16_flash_attention(
     )
 
 
+def flash_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, rep: int, causal: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """megatron-core's ``[Q, B, N, K]`` query and ``[S, B, G, K]`` key/value as ``[B, N, Q, K]``
+    / ``[B, N, S, K]`` (each KV group repeated ``rep = N / G`` times), and the boolean mask
+    (``True`` = masked; the causal upper triangle when none is given)."""
+    q_BNQK = query.permute(1, 2, 0, 3)
+    k_BNSK = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+    v_BNSK = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
+    sq, sk = q_BNQK.shape[2], k_BNSK.shape[2]
+    mask = attention_mask
+    if mask is None and causal and sq > 1:
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
+    return q_BNQK, k_BNSK, v_BNSK, mask
+
+
 class BF16FlashAttention(torch.nn.Module):
     """Drop-in ``core_attention`` for megatron-core ``SelfAttention`` (bf16 FA emulation).
 
@@ -260,14 +278,9 @@ class BF16FlashAttention(torch.nn.Module):
         """``[Q, B, N, K]`` query, ``[S, B, G, K]`` key/value -> context ``[Q, B, N K]``."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("bf16 flash emulation supports no attention bias or packed sequences")
-        rep = self.num_heads // self.num_groups
-        q_BNQK = query.permute(1, 2, 0, 3)
-        k_BNSK = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-        v_BNSK = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-        sq, sk = q_BNQK.shape[2], k_BNSK.shape[2]
-        mask = attention_mask
-        if mask is None and self.causal and sq > 1:
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
+        q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask,
+                                                    self.num_heads // self.num_groups, self.causal)
+        sq = q_BNQK.shape[2]
         inject = None
         if self.injecting and self.rate > 0:
             b, n = q_BNQK.shape[:2]
@@ -282,7 +295,9 @@ class BF16FlashAttention(torch.nn.Module):
         return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, q_BNQK.shape[0], -1)
 
 
-def _self_attentions(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:
+def self_attentions(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:
+    """megatron-core self-attention modules (``core_attention`` and ``linear_qkv``) of the
+    chunks."""
     return [
         m
         for chunk in model_chunks
@@ -307,7 +322,7 @@ def install_bf16_attention(
         The emulation modules of the chosen layers on this rank, in module order.
     """
     out = []
-    for attn in _self_attentions(model_chunks):
+    for attn in self_attentions(model_chunks):
         core = attn.core_attention
         if layers != "all" and int(core.layer_number) not in layers:
             continue
@@ -322,6 +337,6 @@ def emulated_layers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
     """Global layer numbers whose ``core_attention`` is the bf16 emulation on this rank."""
     return [
         int(a.core_attention.layer_number)
-        for a in _self_attentions(model_chunks)
+        for a in self_attentions(model_chunks)
         if isinstance(a.core_attention, BF16FlashAttention)
     ]

@@ -58,6 +58,8 @@ from typing import Any, Literal
 
 import torch
 
+from mechmon_megatron.faults.attention import flash_inputs, self_attentions
+
 __all__ = [
     "FP8_MAX",
     "fake_quant",
@@ -285,26 +287,12 @@ class FP8FlashAttention(torch.nn.Module):
         """``[Q, B, N, K]`` query, ``[S, B, G, K]`` key/value -> context ``[Q, B, N K]``."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("fp8 flash emulation supports no attention bias or packed sequences")
-        rep = self.num_heads // self.num_groups
-        q_BNQK = query.permute(1, 2, 0, 3)
-        k_BNSK = key.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-        v_BNSK = value.repeat_interleave(rep, dim=2).permute(1, 2, 0, 3)
-        sq, sk = q_BNQK.shape[2], k_BNSK.shape[2]
-        mask = attention_mask
-        if mask is None and self.causal and sq > 1:
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
+        q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask,
+                                                    self.num_heads // self.num_groups, self.causal)
+        sq = q_BNQK.shape[2]
         o_BNQK = fp8_flash_attention(q_BNQK, k_BNSK, v_BNSK, mask, self.softmax_scale,
                                      self.delta, self.scaler)
         return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, q_BNQK.shape[0], -1)
-
-
-def _self_attentions(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:
-    return [
-        m
-        for chunk in model_chunks
-        for m in chunk.modules()
-        if hasattr(m, "core_attention") and hasattr(m, "linear_qkv")
-    ]
 
 
 def install_fp8_attention(
@@ -327,7 +315,7 @@ def install_fp8_attention(
         The emulation modules of the chosen layers on this rank, in module order.
     """
     out = []
-    for attn in _self_attentions(model_chunks):
+    for attn in self_attentions(model_chunks):
         core = attn.core_attention
         if layers != "all" and int(core.layer_number) not in layers:
             continue
@@ -342,7 +330,7 @@ def fp8_emulated_layers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
     """Global layer numbers whose ``core_attention`` is the FP8 emulation on this rank."""
     return [
         int(a.core_attention.layer_number)
-        for a in _self_attentions(model_chunks)
+        for a in self_attentions(model_chunks)
         if isinstance(a.core_attention, FP8FlashAttention)
     ]
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -47,6 +47,8 @@ __all__ = [
     "BF16FlashAttention",
     "flash_inputs",
     "self_attentions",
+    "replace_core_attention",
+    "layers_with",
     "install_bf16_attention",
     "emulated_layers",
 ]
@@ -321,22 +323,33 @@ def install_bf16_attention(
     Returns:
         The emulation modules of the chosen layers on this rank, in module order.
     """
+    return replace_core_attention(model_chunks, layers, BF16FlashAttention,
+                                  BF16FlashAttention.replacing)
+
+
+def emulated_layers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
+    """Global layer numbers whose ``core_attention`` is the bf16 emulation on this rank."""
+    return layers_with(model_chunks, BF16FlashAttention)
+
+
+def replace_core_attention(model_chunks: Sequence[torch.nn.Module],
+                           layers: Literal["all"] | Sequence[int], cls: type,
+                           make: Callable[[Any], Any]) -> list[Any]:
+    """Put ``make(core_attention)`` in place of each chosen layer's ``core_attention`` that is
+    not already a ``cls``; returns the chosen layers' ``cls`` modules, in module order."""
     out = []
     for attn in self_attentions(model_chunks):
         core = attn.core_attention
         if layers != "all" and int(core.layer_number) not in layers:
             continue
-        if not isinstance(core, BF16FlashAttention):
-            core = BF16FlashAttention.replacing(core)
+        if not isinstance(core, cls):
+            core = make(core)
             attn.core_attention = core
         out.append(core)
     return out
 
 
-def emulated_layers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
-    """Global layer numbers whose ``core_attention`` is the bf16 emulation on this rank."""
-    return [
-        int(a.core_attention.layer_number)
-        for a in self_attentions(model_chunks)
-        if isinstance(a.core_attention, BF16FlashAttention)
-    ]
+def layers_with(model_chunks: Sequence[torch.nn.Module], cls: type) -> list[int]:
+    """Global layer numbers whose ``core_attention`` is a ``cls`` on this rank."""
+    return [int(a.core_attention.layer_number) for a in self_attentions(model_chunks)
+            if isinstance(a.core_attention, cls)]

@@ -58,7 +58,7 @@ from typing import Any, Literal
 
 import torch
 
-from mechmon_megatron.faults.attention import flash_inputs, self_attentions
+from mechmon_megatron.faults.attention import flash_inputs, layers_with, replace_core_attention
 
 __all__ = [
     "FP8_MAX",
@@ -314,25 +314,14 @@ def install_fp8_attention(
     Returns:
         The emulation modules of the chosen layers on this rank, in module order.
     """
-    out = []
-    for attn in self_attentions(model_chunks):
-        core = attn.core_attention
-        if layers != "all" and int(core.layer_number) not in layers:
-            continue
-        if not isinstance(core, FP8FlashAttention):
-            core = FP8FlashAttention.replacing(core, scaling, history_len)
-            attn.core_attention = core
-        out.append(core)
-    return out
+    return replace_core_attention(
+        model_chunks, layers, FP8FlashAttention,
+        lambda core: FP8FlashAttention.replacing(core, scaling, history_len))
 
 
 def fp8_emulated_layers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
     """Global layer numbers whose ``core_attention`` is the FP8 emulation on this rank."""
-    return [
-        int(a.core_attention.layer_number)
-        for a in self_attentions(model_chunks)
-        if isinstance(a.core_attention, FP8FlashAttention)
-    ]
+    return layers_with(model_chunks, FP8FlashAttention)
 
 
 def premise(

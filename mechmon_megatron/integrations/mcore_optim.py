@@ -34,7 +34,8 @@ from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
 from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, isolated
 
-__all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders"]
+__all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders", "buckets",
+           "EXCHANGE_BUCKET"]
 
 ProbeLoss = Callable[[Callable[..., Any]], "torch.Tensor | None"]
 
@@ -184,22 +185,32 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
     return OptimSource(entries, read, probe, exchange=_exchange(tensors, optimizer))
 
 
-def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any
+EXCHANGE_BUCKET = 1 << 26
+"""Elements per SUM all-reduce of the fp32 exchange (256 MB in fp32): the extra memory of a
+monitored step is three buckets (flattened parts, flagged send buffer, result), not three copies
+of the model."""
+
+
+def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any, bucket: int = EXCHANGE_BUCKET
               ) -> Callable[[list[torch.Tensor] | None], tuple[list[torch.Tensor], bool]]:
-    """The collective phase of the fp32 reads: one ``comm.sum_or_void`` per DP group of
-    sharded main params (all their parts flattened), in the same order on every rank."""
+    """The collective phase of the fp32 reads: per DP group of sharded main params, their parts
+    flattened into buckets of at most ``bucket`` elements (a larger parameter alone), one
+    ``comm.sum_or_void`` each, in the same order on every rank (the order and sizes follow from
+    the shapes only)."""
     groups = [fp32_sum_group(p, optimizer) for p in params]
     order: list[Any] = []
     for g in groups:
         if g is not None and not any(g is o for o in order):
             order.append(g)
     shapes = [tuple(p.shape) for p in params]
+    plan = [(group, idx) for group in order
+            for idx in buckets([i for i, g in enumerate(groups) if g is group],
+                               [math.prod(s) for s in shapes], bucket)]
 
     def exchange(parts: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], bool]:
         void = parts is None
         out = list(parts) if parts is not None else [torch.zeros(s) for s in shapes]
-        for group in order:
-            idx = [i for i, g in enumerate(groups) if g is group]
+        for group, idx in plan:
             flat = torch.cat([out[i].reshape(-1) for i in idx]) if not void else None
             total, void = comm.sum_or_void(flat, (sum(math.prod(shapes[i]) for i in idx),),
                                            group, void)
@@ -209,3 +220,18 @@ def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any
         return out, void
 
     return exchange
+
+
+def buckets(idx: list[int], sizes: list[int], limit: int) -> list[list[int]]:
+    """``idx`` in order, cut into runs whose ``sizes`` sum to at most ``limit`` (an index
+    larger than ``limit`` alone)."""
+    out: list[list[int]] = []
+    total = 0
+    for i in idx:
+        if out and total + sizes[i] <= limit:
+            out[-1].append(i)
+            total += sizes[i]
+        else:
+            out.append([i])
+            total = sizes[i]
+    return out

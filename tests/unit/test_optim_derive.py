@@ -35,3 +35,17 @@ def test_group_totals_include_layerless_tensors_once():
     assert out["optim/update_ratio/embedding"] == pytest.approx(0.1)
     assert out["optim/update_ratio/all"] == pytest.approx(math.sqrt(17 / 172))
     assert set(out) <= set(mon.signal_names())
+
+
+def test_the_fp32_exchange_cuts_parameters_into_buckets_in_order():
+    pytest.importorskip("megatron.core")
+    from mechmon_megatron.integrations.mcore_optim import buckets
+
+    sizes = [3, 3, 5, 1, 1, 9]
+    assert buckets([0, 1, 2, 3, 4, 5], sizes, 6) == [[0, 1], [2, 3], [4], [5]]
+    assert buckets([1, 3, 5], sizes, 100) == [[1, 3, 5]]
+    assert buckets([], sizes, 6) == []
+    # every index once, in order; no bucket over the limit unless it holds one index
+    cut = buckets(list(range(6)), sizes, 4)
+    assert [i for b in cut for i in b] == list(range(6))
+    assert all(len(b) == 1 or sum(sizes[i] for i in b) <= 4 for b in cut)

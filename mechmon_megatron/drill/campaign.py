@@ -133,7 +133,8 @@ class Campaign:
         """JSON-ready campaign settings (the ``campaign`` object of ``drill.json``)."""
         spec = dataclasses.asdict(self.spec)
         spec["faults"] = [{"name": f.name, "class": f.class_, "model": f.model,
-                           "onset": f.onset, "control": f.control,
+                           "onset": f.onset, "seeds": f.seeds or list(self.spec.seeds),
+                           "control": f.control,
                            "fault": f.fault_section(self.steps)} for f in self.spec.faults]
         spec["fault_starts"] = self.spec.fault_steps()
         spec["mechmon_config"] = self.config_source

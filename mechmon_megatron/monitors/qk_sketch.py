@@ -51,7 +51,7 @@ def sketch_inputs(source: QKSource, pair: tuple | None) -> tuple:
     checks = [torch.isfinite(w).all().to(torch.float64) for w in (wq0, wq1, wk0, wk1)]
     *finite, fro2_q, fro2_k = torch.stack(checks + [  # one device-to-host transfer
         dwq.double().pow(2).sum(),
-        (dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum()]).cpu().tolist()
+        (dwk.double().pow(2).sum((1, 2)) * weight_G.to(dwk.device)).sum()]).tolist()
     return (1.0 if all(finite) else 0.0), fro2_q, fro2_k, gg_G, weight_G
 
 

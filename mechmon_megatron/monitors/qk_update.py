@@ -363,7 +363,7 @@ class QKUpdateMonitor:
         # One device-to-host transfer per layer: [term, 5 metrics + degenerate, H].
         rows = [_metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
                 for term, sigma2 in spectra.items()]
-        table = torch.stack(rows).cpu().tolist() if rows else []
+        table = torch.stack(rows).tolist() if rows else []
         per_head: dict[str, float] = {}
         degenerate = True
         for term, (*metrics, degenerate_H) in zip(spectra, table, strict=True):
@@ -408,7 +408,7 @@ class QKUpdateMonitor:
             rows.append(("attn/qk/sigma1", form_sigma1(wq1, wk1, g_H)))
         if not rows:
             return {}
-        values = torch.stack([v for _, v in rows]).cpu().tolist()
+        values = torch.stack([v for _, v in rows]).tolist()
         heads = source.head_index.tolist()
         return {f"{name}/layer_{source.layer}/head_{h}": v
                 for (name, _), vals in zip(rows, values, strict=True)
@@ -423,10 +423,10 @@ class QKUpdateMonitor:
             self._error(source, "layer sketch inputs", exc)
             ready, fro2_q, fro2_k, gg_G, weight_G = 0.0, 0.0, 0.0, None, None
         nonfinite = float(pair is not None and ready == 0.0 and gg_G is not None)
-        agree = comm.all_reduce_sum(
-            torch.tensor([ready, fro2_q, fro2_k, nonfinite], dtype=torch.float64), group)
-        if int(round(float(agree[0]))) != comm.world_size(group):
-            if float(agree[3]) > 0:  # observed, not finite (+inf after the reduction)
+        n_ready, fro2_q, fro2_k, nonfinite = comm.all_reduce_sum(
+            torch.tensor([ready, fro2_q, fro2_k, nonfinite], dtype=torch.float64), group).tolist()
+        if int(round(n_ready)) != comm.world_size(group):
+            if nonfinite > 0:  # observed, not finite (+inf after the reduction)
                 return {f"attn/layer_{t}/{m}/layer_{source.layer}": math.inf
                         for t in self.layer_terms for m in LAYER_METRICS}
             if pair is not None:
@@ -438,8 +438,7 @@ class QKUpdateMonitor:
         for term in self.layer_terms:
             try:
                 result = qk_sketch.sketch_term(self.config.layer_sketch, self.seed, source, step,
-                                               term, pair, gg_G, weight_G, float(agree[1]),
-                                               float(agree[2]))
+                                               term, pair, gg_G, weight_G, fro2_q, fro2_k)
             except qk_sketch.SketchVoid as exc:  # raised on every rank of the group together
                 self._error(source, f"layer sketch {term}", exc)
                 continue

@@ -5,7 +5,7 @@ Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT with the Q
 into ``comm`` and ``torch.distributed`` (collectives) and tensor-to-host conversions (``item``,
 ``tolist``, ``cpu``, ``float``/``int``/``bool`` of a tensor, ``numpy``). On unmonitored steps
 both must be zero; on monitored steps the counts per monitor are bounded (one transfer for the
-per-head table of each layer this rank computes, a fixed number for the layer sketch, one for
+per-head table of each layer this rank computes, three per term of the layer sketch, one for
 the update ratios) and printed.
 """
 
@@ -121,7 +121,10 @@ def test_monitored_steps_make_a_bounded_number_of_transfers_per_monitor(counts):
         # The optim monitor's update ratios over the step (``window: step``): one transfer.
         assert [rank["host"].get(f"{s}:monitor:optim", 0) for s in steps] == [1, 1, 1]
         # QK: each rank computes one of the two layers (DP split); the first step only
-        # snapshots. Then: the per-head table, the form signals, the sketch inputs and its
-        # agreement, and the layer sketch (its power iterations and the spectrum).
+        # snapshots. Then (measured 20 conversions): the per-head table and the form signals
+        # (one transfer each, plus reads of the host-side head index), the sketch inputs (one)
+        # and their agreement (one), and per sketched term one transfer of its spectrum and
+        # tail scalars, one read of its failure vote and one of sigma_1 from the host copy;
+        # the power iterations themselves stay on the device (they read ~60 scalars before).
         qk = [rank["host"].get(f"{s}:monitor:attn", 0) for s in steps]
-        assert qk[0] <= 3 and 0 < qk[1] == qk[2] <= 70, qk
+        assert qk[0] <= 3 and 0 < qk[1] == qk[2] <= 20, qk

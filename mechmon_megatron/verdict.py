@@ -16,7 +16,8 @@ class MonitorError(RuntimeError):
 
 
 class MonitorProtocolError(RuntimeError):
-    """An exception escaped a monitor between its collectives (see the module docstring)."""
+    """An exception escaped a monitor between its collectives (see
+    :mod:`mechmon_megatron.monitor`)."""
 
 
 class Detectors(Protocol):

@@ -206,6 +206,12 @@ class _Adam:
         return AdamState(denoms, lrs, beta1, moments)
 
 
+def _offloaded(cfg: Any) -> bool:
+    """Whether a ZeRO offload section sends something off the device."""
+    device = getattr(cfg, "device", None)
+    return str(getattr(device, "value", device) or "none") != "none"
+
+
 def _probe_unavailable(engine: Any, params: Sequence[torch.nn.Parameter]) -> str | None:
     """Why the probe cannot run on this engine, or None."""
     from deepspeed.utils import groups
@@ -213,9 +219,17 @@ def _probe_unavailable(engine: Any, params: Sequence[torch.nn.Parameter]) -> str
     if any(hasattr(p, "ds_id") for p in params):
         if not all(getattr(p, "allreduce", True) for p in params):
             return "DeepSpeed-MoE experts are not probed under ZeRO-3"
+        if any(hasattr(p, "ds_z3_leaf_module") for p in params):
+            return ("ZeRO-3 leaf modules reduce gradients in a backward hook that would fire "
+                    "inside the probe")
+        if int(engine.zero_hpz_partition_size() or 1) > 1 or any(
+                getattr(p, "ds_secondary_tensor", None) is not None for p in params):
+            return "ZeRO++ hpZ gathers from a secondary partition the probe does not displace"
         if any(comm.world_size(p.ds_process_group) != comm.world_size(
                 groups._get_data_parallel_group()) for p in params):
-            return "ZeRO-3 partitions over a group other than data parallelism (hpZ)"
+            return "ZeRO-3 partitions over a group other than data parallelism (MiCS)"
+        if _offloaded(engine.zero_offload_optimizer()) or _offloaded(engine.zero_offload_param()):
+            return "ZeRO-3 offload keeps partitions and Adam state off the device"
         return None
     if type(engine).__name__ == "PipelineEngine":
         return "a PipelineEngine's module is one pipeline stage, not the whole loss"

@@ -21,9 +21,11 @@ Products are central differences (a double backward would need the gathered weig
 leaves). The displaced weights are rounded to ``ds_tensor``'s dtype, bf16/fp16 under mixed
 precision, so ``sharpness.fd_scale`` must stay well above that dtype's epsilon (a warning says
 so). Memory: one full gradient of the model per rank while a product runs (its DP average is one
-all-reduce); a reduce-scatter per parameter would hold only the partition. DeepSpeed-MoE experts
-under ZeRO-3 are not probed. Written against DeepSpeed 0.19.8 (``grad_position``,
-``sub_group_to_group_id`` and ``fp32_partitioned_groups_flat`` of its stage-3 optimizer).
+all-reduce; only the partitions are kept); a reduce-scatter per parameter would hold only the
+partition. Not probed (a warning names why): DeepSpeed-MoE experts, ZeRO-3 leaf modules (their
+backward hook reduces gradients), ZeRO++ hpZ and MiCS partition groups, and offload. Written
+against DeepSpeed 0.19.8 (``grad_position``, ``sub_group_to_group_id`` and
+``fp32_partitioned_groups_flat`` of its stage-3 optimizer).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
     """The probe over this rank's partitions: weights and Adam's state read locally, gradients
     through :func:`zero3_gradient`; every partition element is owned by this rank."""
     return CurvatureProbe(names, zero3_weights(params), [True] * len(params), lambda _: None,
-                          lambda g: g, zero3_adam(engine, params, ready),
+                          lambda g: g, zero3_adam(engine, params, ready, group), group=group,
                           gradient=zero3_gradient(engine, params, loss, trackers, group))
 
 
@@ -58,10 +60,13 @@ def zero3_weights(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [safe_get_local_fp32_param(p).detach().float() for p in params]
 
 
-def zero3_adam(engine: Any, params: Sequence[torch.nn.Parameter], ready: Callable[[], bool]
-               ) -> Callable[[], AdamState | None]:
+def zero3_adam(engine: Any, params: Sequence[torch.nn.Parameter], ready: Callable[[], bool],
+               group: comm.Group) -> Callable[[], AdamState | None]:
     """``() -> AdamState`` over this rank's partitions (local, no collective); None while the
-    cached batch is not this step's (``ready``) or before the optimizer holds state."""
+    cached batch is not this step's (``ready``) or before the optimizer holds state. The last
+    rank's padding gets an infinite denominator (a zero step size), so it never enters the
+    preconditioned vectors."""
+    rank = comm.rank(group)
     from deepspeed.utils import safe_get_local_optimizer_state
 
     opt = engine.optimizer
@@ -85,7 +90,9 @@ def zero3_adam(engine: Any, params: Sequence[torch.nn.Parameter], ready: Callabl
                 raise ValueError("optim.sharpness: not an Adam-type optimizer")
             b1, b2 = group["betas"]
             v = safe_get_local_optimizer_state(p, "exp_avg_sq").float()
-            denoms.append((v / (1.0 - b2 ** t)).sqrt_().add_(group["eps"]))
+            denom = (v / (1.0 - b2 ** t)).sqrt_().add_(group["eps"])
+            denom[max(p.ds_numel - rank * denom.numel(), 0):] = torch.inf
+            denoms.append(denom)
             moments.append(safe_get_local_optimizer_state(p, "exp_avg").float())
             lrs.append(float(group["lr"]))
             beta1 = max(beta1, float(b1))
@@ -127,13 +134,16 @@ def zero3_gradient(engine: Any, params: Sequence[torch.nn.Parameter],
         flat = torch.cat([torch.zeros(p.ds_numel, device=device) if g is None
                           else g.detach().float().reshape(-1)
                           for p, g in zip(params, grads, strict=True)])
-        flat = comm.all_reduce_sum(flat, group) / dp
+        del grads  # one full gradient at a time
+        flat = comm.all_reduce_sum(flat, group).div_(dp)
         out, offset = [], 0
-        for p in params:
+        for p in params:  # this rank's partition, zero in the last rank's padding
             size = p.ds_tensor.numel()
-            full = flat.new_zeros(size * dp)
-            full[:p.ds_numel] = flat[offset:offset + p.ds_numel]
-            out.append(full[rank * size:(rank + 1) * size])
+            lo, hi = rank * size, min((rank + 1) * size, p.ds_numel)
+            part = flat.new_zeros(size)
+            if hi > lo:
+                part[:hi - lo] = flat[offset + lo:offset + hi]
+            out.append(part)
             offset += p.ds_numel
         return out
 

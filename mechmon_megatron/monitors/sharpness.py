@@ -8,10 +8,11 @@ evaluations at displaced weights (central difference) or one double backward.
 
 Side effects: none on training. The displaced weights are passed to the model functionally
 (``override``: a mapping from parameter name to tensor, e.g. ``torch.func.functional_call``), so
-the parameters are never written; gradients come from ``torch.autograd.grad`` (``.grad`` and
-``main_grad`` are not touched); the integration's ``loss`` runs under its own RNG state and
-restores the training RNG, the module modes and the data position. Training with the probe on is
-bitwise equal to training with it off (tests/integration/test_optim_monitor.py).
+the parameters are never written (a source with its own ``gradient``, ZeRO-3, writes its
+partitions and restores them bit for bit); gradients come from ``torch.autograd.grad``
+(``.grad`` and ``main_grad`` are not touched); the integration's ``loss`` runs under its own RNG
+state and restores the training RNG, the module modes and the data position. Training with the
+probe on is bitwise equal to training with it off (tests/integration/test_optim_monitor.py).
 
 Collectives: the integration's gradient synchronisation (the same reductions as training) and
 one scalar SUM all-reduce per inner product over ``group``; the number of calls depends only on

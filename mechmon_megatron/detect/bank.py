@@ -114,6 +114,8 @@ class SignalChannel:
         """
         raw = value if raw is None else raw
         if math.isnan(raw):
+            for d in self.detectors:
+                d.skip()
             return []
         if not math.isfinite(raw):
             self.nonfinite += 1
@@ -123,6 +125,7 @@ class SignalChannel:
         for d in self.detectors:
             x = raw if d.absolute else value
             if math.isnan(x) or not (math.isfinite(x) or d.accepts_nonfinite):
+                d.skip()
                 continue
             if (f := d.update(step, x)) is not None:
                 findings.append(f)

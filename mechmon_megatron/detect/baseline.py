@@ -59,6 +59,8 @@ class Baseline:
         self.scale = math.nan
         self.rho_hat = math.nan
         self.long_run = 1.0
+        self.scale_factor = 1.0  # warm-up scale correction applied so far
+        self.tracked = False  # the scale has moved with samples since the warm-up
 
     @property
     def ready(self) -> bool:
@@ -66,11 +68,16 @@ class Baseline:
         return not math.isnan(self.location)
 
     def credit(self, long_run: float) -> None:
-        """Take the kind's pooled long-run factor ``f`` and correct the warm-up scale for the
-        credited correlation (:func:`~mechmon_megatron.detect.budget.warmup_scale_factor`)."""
-        before = warmup_scale_factor(self.rho, self.warmup_samples)
+        """Take the kind's pooled long-run factor ``f`` and, while the scale is still the
+        warm-up window's (not yet tracked), correct it for the credited correlation
+        (:func:`~mechmon_megatron.detect.budget.warmup_scale_factor`; the factor applied so far
+        is kept, so repeated credits never compound)."""
         self.long_run = long_run
-        self.scale *= warmup_scale_factor(self.rho, self.warmup_samples) / before
+        if self.tracked:
+            return
+        factor = warmup_scale_factor(self.rho, self.warmup_samples)
+        self.scale = self._floor(self.scale * factor / self.scale_factor, self.location)
+        self.scale_factor = factor
 
     @property
     def rho(self) -> float:
@@ -96,6 +103,7 @@ class Baseline:
         """Move toward a non-alarming sample (``mode: tracked`` only)."""
         if self.config.mode != "tracked":
             return
+        self.tracked = True
         rate, dev = self.config.track_rate, abs(value - self.location)
         self.location += rate * (value - self.location)
         scale = self.scale + rate * (math.sqrt(math.pi / 2) * dev - self.scale)
@@ -111,7 +119,8 @@ class Baseline:
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state."""
         return {"window": list(self.window), "location": self.location, "scale": self.scale,
-                "rho_hat": self.rho_hat, "long_run": self.long_run}
+                "rho_hat": self.rho_hat, "long_run": self.long_run,
+                "scale_factor": self.scale_factor, "tracked": self.tracked}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` exactly."""
@@ -119,3 +128,7 @@ class Baseline:
         self.location, self.scale = float(sd["location"]), float(sd["scale"])
         self.rho_hat = float(sd.get("rho_hat", math.nan))
         self.long_run = float(sd.get("long_run", 1.0))
+        self.tracked = bool(sd.get("tracked", False))
+        self.scale_factor = float(sd.get("scale_factor", 1.0))
+        if "scale_factor" not in sd and self.ready:  # saved before the correction existed
+            self.credit(self.long_run)

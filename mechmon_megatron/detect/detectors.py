@@ -23,7 +23,7 @@ detect/budget.py) and ``rho = (f - 1) / (f + 1)`` its credited lag-1 correlation
 judges the prewhitened z (the residual chart for AR(1) data), ``u_t = (z_t - rho z_(t-1)) /
 sqrt(1 - rho^2)``, whose samples are independent under the healthy null, so the k-of-n
 probability of detect/budget.py holds for autocorrelated signals too; ``u = z`` exactly when no
-correlation is credited, and for the first sample after a reset.
+correlation is credited, and for the first sample after a reset or an unobserved sample.
 
 Onset step: robust_z, the first exceeding sample of the k; cusum, the sample
 at which S last left zero (the change-point estimate); the others, the finding's own step.
@@ -132,6 +132,9 @@ class Detector:
         self.latched = False
         self._clear()
 
+    def skip(self) -> None:
+        """A sample of the signal was not observed (void, or not finite for this rule)."""
+
     def state_dict(self) -> dict[str, Any]:
         """JSON-able state."""
         keys = ("latched",) + self._state
@@ -174,6 +177,10 @@ class RobustZ(Detector):
     def _clear(self) -> None:
         self.recent: list[list] = []  # [step, exceeded] of the last n samples
         self.last_z: float | None = None
+
+    def skip(self) -> None:
+        """The residual needs the previous sample: after a gap, judge the next z as is."""
+        self.last_z = None
 
     def _update(self, step: int, value: float) -> Finding | None:
         if not self.baseline.ready:

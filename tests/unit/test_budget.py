@@ -208,3 +208,34 @@ def test_peers_remove_a_shift_shared_by_every_layer_and_keep_a_local_one():
     assert math.isnan(nan[names[0]]) and math.isnan(nan[names[1]]) and nan[names[2]] == math.inf
     alone = peers.transform({names[0]: 2.0, names[1]: 1.0})
     assert alone[names[0]] == pytest.approx(1.0) and alone[names[1]] == pytest.approx(-0.5)
+
+
+def test_the_warm_up_scale_correction_never_compounds_and_reaches_old_states():
+    """Credits as more layers form apply the correction once, relative to what was applied;
+    a tracked scale is left alone; a state saved before the correction existed gets it on load;
+    an unobserved sample makes robust z judge the next z as is (no residual across a gap)."""
+    from mechmon_megatron.detect.baseline import Baseline
+
+    tracked = load_config({"detectors": {"baseline": {"mode": "tracked"}}}).detectors.baseline
+    b = Baseline(tracked, 20)
+    b.location, b.scale = 5.0, 1.0
+    b.credit(9.0)  # rho 0.8
+    b.credit(9.0)
+    assert b.scale == pytest.approx(warmup_scale_factor(0.8, 20))
+    b.credit(1.0)
+    assert b.scale == pytest.approx(1.0)
+    old = {"window": [], "location": 5.0, "scale": 1.0, "rho_hat": 0.9, "long_run": 9.0}
+    restored = Baseline(tracked, 20)
+    restored.load_state_dict(old)
+    assert restored.scale == pytest.approx(warmup_scale_factor(0.8, 20))
+    restored.track(5.0)
+    scale = restored.scale
+    restored.credit(3.0)
+    assert restored.scale == scale and restored.long_run == 3.0
+
+    name = "attn/delta2/entropy/layer_1/min"
+    bank = DetectorBank(load_config({"detectors": {"attn": {"peer_signals": []}}}), [name])
+    rz = bank.channels[name].detectors[0]
+    rz.last_z = 1.5
+    bank.update(0, {name: math.nan})
+    assert rz.last_z is None

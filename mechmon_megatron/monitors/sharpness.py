@@ -215,14 +215,20 @@ class SharpnessEstimator:
         return sum(v.numel() * v.element_size() for v in self.vector or [])
 
     def state_dict(self) -> dict[str, Any]:
-        """The warm-start vector (CPU), so a resumed run continues the same iteration."""
-        return {"vector": None if self.vector is None else [v.cpu() for v in self.vector]}
+        """The warm-start vector (CPU), so a resumed run continues the same iteration, and the
+        rank in the probe's group that holds it."""
+        return {"vector": None if self.vector is None else [v.cpu() for v in self.vector],
+                "rank": comm.rank(self.probe.group)}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a vector of another shape is dropped: cold start)."""
+        """Restore :meth:`state_dict`; cold start instead when the vector has another shape, or
+        when the probe's vectors are this rank's partitions (``gradient`` sources: ZeRO-3) and
+        the state was saved by another rank (DeepSpeed loads one rank's ``client_state``)."""
         vec = sd.get("vector")
         shapes = [tuple(p.shape) for p in self.probe.params]
         ok = vec is not None and [tuple(v.shape) for v in vec] == shapes
+        if self.probe.gradient is not None and sd.get("rank") != comm.rank(self.probe.group):
+            ok = False
         self.vector = list(vec) if ok else None
 
     # -- internals -----------------------------------------------------------------------

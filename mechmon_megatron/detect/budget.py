@@ -32,9 +32,11 @@ than its budget. CUSUM therefore accumulates ``z / sqrt(f)``, ``f = (1 + rho) / 
 standard long-run-variance standardisation of CUSUM for dependent data. The k-of-n rule above
 needs independent samples (exceedances of a correlated signal come in runs): robust z judges the
 AR(1) residual ``u_t = (z_t - rho z_(t-1)) / sqrt(1 - rho^2)`` (a residual control chart), which
-is an independent unit-variance sequence under the healthy null, so the same threshold holds; a
-persistent shift of D scales reaches u as D once and ``D sqrt((1 - rho) / (1 + rho))`` after,
-the same price CUSUM pays. rho is estimated from the baselines' warm-up windows:
+is an independent unit-variance sequence under the healthy null, so the same threshold holds. The
+price: a persistent shift of D scales reaches u as D once and ``D sqrt((1 - rho) / (1 + rho))``
+after, so at rho = 0.8 a k >= 2 rule needs a shift ~3.6x its threshold (with the corrected
+scale) where independent samples need 1x; CUSUM accumulates and keeps more of its power, which
+is why both rules run. rho is estimated from the baselines' warm-up windows:
 
 - per signal, the lag-1 autocorrelation of its warm-up window after removing the least-squares
   line (tracked baselines follow trends) (:func:`lag1_autocorrelation`);

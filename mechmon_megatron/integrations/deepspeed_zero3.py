@@ -49,12 +49,14 @@ def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
     through :func:`zero3_gradient`; every partition element is owned by this rank."""
     return CurvatureProbe(names, zero3_weights(params), [True] * len(params), lambda _: None,
                           lambda g: g, zero3_adam(engine, params, ready, group), group=group,
-                          gradient=zero3_gradient(engine, params, loss, trackers, group))
+                          gradient=zero3_gradient(engine, params, loss, trackers, group),
+                          weights=lambda: zero3_weights(params))
 
 
 def zero3_weights(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
     """This rank's fp32 partition of each parameter (flat, ``P`` elements; local read): views of
-    the optimizer's master partitions, which its step updates in place."""
+    the optimizer's master partitions, read again at each evaluation (a checkpoint load may
+    replace the tensors they view)."""
     from deepspeed.utils import safe_get_local_fp32_param
 
     return [safe_get_local_fp32_param(p).detach().float() for p in params]

@@ -111,6 +111,9 @@ class CurvatureProbe:
             cannot be replaced functionally (ZeRO-3 partitions: the points are this rank's
             partitions, written into the module and restored); replaces ``loss`` +
             ``autograd.grad`` + ``reduce_grads``, and the products are then central differences.
+        weights: ``() -> current weights`` aligned with ``params``, read at each evaluation,
+            for sources whose ``params`` are not the live tensors (ZeRO-3's fp32 partitions,
+            which a checkpoint load may replace); None: ``params`` themselves.
     """
 
     names: list[str]
@@ -122,6 +125,7 @@ class CurvatureProbe:
     group: comm.Group = None
     adam_collective: bool = False
     gradient: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    weights: Callable[[], list[torch.Tensor]] | None = None
 
     def dot(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> float:
         """Global inner product over owned elements (one scalar SUM all-reduce)."""
@@ -173,7 +177,8 @@ class SharpnessEstimator:
         if state is None:
             return None
         scale = [(lr / d).sqrt() for lr, d in zip(state.lrs, state.denominators, strict=True)]
-        params = [p.detach() for p in self.probe.params]
+        live = self.probe.weights() if self.probe.weights is not None else self.probe.params
+        params = [p.detach() for p in live]
         # Cold start (not stored: only a finished estimate updates the warm start, the same on
         # every rank): the preconditioned momentum direction lies mostly in the top Hessian
         # subspace and is identical on every replica (unlike fresh random draws).

@@ -117,6 +117,12 @@ def zero3_gradient(engine: Any, params: Sequence[torch.nn.Parameter],
 
     def gradient(points: list[torch.Tensor]) -> list[torch.Tensor]:
         saved = [p.ds_tensor.detach().clone() for p in params]
+
+        def restore() -> None:
+            with torch.no_grad():
+                for p, x in zip(params, saved, strict=True):
+                    p.ds_tensor.copy_(x)
+
         try:
             with torch.no_grad():
                 for p, x in zip(params, points, strict=True):
@@ -127,11 +133,13 @@ def zero3_gradient(engine: Any, params: Sequence[torch.nn.Parameter],
                 if value is None:
                     raise RuntimeError("optim.sharpness: no cached micro-batch to probe")
                 grads = torch.autograd.grad(value, list(params), allow_unused=True)
-        finally:
-            with torch.no_grad():
-                for p, x in zip(params, saved, strict=True):
-                    p.ds_tensor.copy_(x)
-            _regather(engine)
+        except BaseException:
+            # Partitions back (local), but no gather here: peers may be inside another
+            # collective; the error escapes as a protocol error and training stops.
+            restore()
+            raise
+        restore()
+        _regather(engine)
         device = params[0].ds_tensor.device
         flat = torch.cat([torch.zeros(p.ds_numel, device=device) if g is None
                           else g.detach().float().reshape(-1)

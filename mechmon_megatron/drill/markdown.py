@@ -30,6 +30,8 @@ def _alarm(d: dict[str, Any], lead: Any, pct: Any) -> str:
         text = "-"
     else:
         text = f"{d['alarm_step']} ({_fmt(lead)}, {_fmt(pct, '%')})"
+    if d["shared_alarm_steps"]:
+        text += " twin@" + ",".join(str(s) for s in d["shared_alarm_steps"])
     if d["false_alarm_step"] is not None:
         text += f" FA@{d['false_alarm_step']}"
     return text
@@ -121,8 +123,10 @@ def render(report: dict[str, Any]) -> str:
         f"{c['monitor']['interval']}, mechmon config: {c['mechmon_config']}; {report['trained']} "
         f"trained in {report['train_wall_s']:.0f} s with {report['jobs']} job(s). Divergence: "
         "loss EMA >= 1 nat above the healthy run of the same seed (or non-finite); +0.25 nat: "
-        "degradation. Alarms are the first at or after onset; FA@step: a false alarm before "
-        "onset. Lead = divergence - alarm (steps, % of onset-to-divergence).", "",
+        "degradation. Alarms are the first at or after onset that the healthy twin does not "
+        "share; twin@step: a post-onset alarm the healthy twin raised too (not a detection); "
+        "FA@step: a false alarm before onset. Lead = divergence - alarm (steps, % of "
+        "onset-to-divergence).", "",
         "## Faulty runs", "", *_faulty(report), "",
         "## Healthy runs and controls (any alarm is a false alarm)", "", *_healthy(report), "",
         "## Summary", "", *_summary(report), "",

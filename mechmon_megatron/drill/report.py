@@ -10,8 +10,9 @@ Scoring of a faulty run (``fault_start`` = onset; ``div`` = divergence step, see
   divergence, or the run's end). A fault that never diverges is still a fault: it is scored on
   ``detected`` alone;
 - ``before_divergence``: the alarm precedes the divergence (None when the run did not diverge);
-- ``first``: the mechanism alarm precedes every comparison rule's post-onset alarm (a silent rule
-  counts as later; a rule's pre-onset alarm is its false alarm, never a detection);
+- ``first``: the mechanism alarm precedes every comparison rule's detection (a silent rule counts
+  as later; a rule's pre-onset alarm is its false alarm, and a post-onset alarm its healthy twin
+  raises too is shared, neither is a detection);
 - ``lead_ok``: ``lead_pct >= LEAD_TARGET_PCT``; ``lead_steps_ok``: ``lead >= LEAD_TARGET_STEPS``;
 - ``no_false_alarm``: the mechanism monitor was silent before onset.
 
@@ -45,7 +46,7 @@ from mechmon_megatron.train.plot import read_jsonl
 __all__ = ["SCHEMA_VERSION", "LEAD_TARGET_PCT", "LEAD_TARGET_STEPS", "score_run",
            "summarize", "evaluate_campaign", "write_report"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the ``drill.json`` layout (docs/drill.md); bumped on any incompatible change."""
 
 LEAD_TARGET_PCT = 30.0
@@ -152,8 +153,8 @@ def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
         optim = campaign.spec.optim
         config = monitor_config(run.config["mechmon"], optim.warmup_steps, optim.beta2)
         start = None if run.scored_healthy else run.fault_start
-        healthy = logs[run.healthy][0] if run.healthy else None
-        ev = evaluate_run(train, metrics, healthy, start, config)
+        healthy, twin = logs[run.healthy] if run.healthy else (None, None)
+        ev = evaluate_run(train, metrics, healthy, start, config, twin)
         online = json.loads((run_dir(out, run) / "run.json").read_text())
         row: dict[str, Any] = {
             "name": run.name, "fault": run.fault, "fault_class": run.fault_class,

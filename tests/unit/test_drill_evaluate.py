@@ -107,3 +107,36 @@ def test_false_alarms_are_counted_per_10k_healthy_steps_for_every_detector():
     assert fa["mechmon"]["count"] == 1 and fa["mechmon"]["per_10k_steps"] == 1.0
     assert fa["loss_spike"]["healthy_runs"] == ["healthy-1"]
     assert fa["grad_norm_z"]["count"] == 0
+
+
+def test_a_post_onset_alarm_the_healthy_twin_raises_too_is_shared_not_a_detection():
+    # grad-norm jumps at 620 in both runs (a schedule event, not the fault): shared; only the
+    # faulty run's jump at 850 is the fault's.
+    def grad_steps(jumps: tuple[int, ...]) -> list[dict]:
+        rows = _train(1000)
+        for r in rows:
+            if any(j <= r["step"] < j + 3 for j in jumps):
+                r["grad_norm"] = 50.0
+        return rows
+
+    healthy, faulty = grad_steps((620,)), grad_steps((620, 850))
+    ev = evaluate_run(faulty, _metrics(1000), healthy, 500, CONFIG, _metrics(1000))
+    g = ev["detectors"]["grad_norm_z"]
+    assert g["shared_alarm_steps"] == [620] and g["twin_alarm_step"] == 620
+    assert g["alarm_step"] == 850
+    alone = evaluate_run(faulty, _metrics(1000), healthy, 500, CONFIG)
+    assert alone["detectors"]["grad_norm_z"]["alarm_step"] == 850  # the rules always have a twin
+    blind = evaluate_run(faulty, _metrics(1000), None, 500, CONFIG)
+    assert blind["detectors"]["grad_norm_z"]["alarm_step"] == 620  # no twin: nothing to share
+    # the same rule on the twin alone: its 620 alarm is what made the faulty run's one shared
+    twin_only = evaluate_run(healthy, _metrics(1000), healthy, 500, CONFIG, _metrics(1000))
+    tg = twin_only["detectors"]["grad_norm_z"]
+    assert tg["alarm_step"] is None and tg["shared_alarm_steps"] == [620]
+    # the mechanism monitor's alarm is the fault's when the twin stays silent, shared when not
+    m = evaluate_run(faulty, _metrics(1000, eos_high=(700,)), healthy, 500, CONFIG,
+                     _metrics(1000))["detectors"]["mechmon"]
+    assert m["alarm_step"] == 700 and m["shared_alarm_steps"] == [] and m["twin_alarm_step"] is None
+    both = evaluate_run(faulty, _metrics(1000, eos_high=(700, 900)), healthy, 500, CONFIG,
+                        _metrics(1000, eos_high=(700,)))["detectors"]["mechmon"]
+    assert both["shared_alarm_steps"] == [700] and both["alarm_step"] == 900
+    assert both["fault_class"] == "lr" and both["twin_alarm_step"] == 700

@@ -12,12 +12,13 @@ completed updates, incremented after ``on_train_step_end``)::
 
     on_train_start                 build monitors from ctx.model / ctx.optimizer, attach (sinks on
                                    rank world_size - 1 with Bridge's TensorBoard / W&B loggers),
-                                   load <load>/iter_NNNNNNN/mechmon_rank{r}.pt, check_resume()
+                                   load the state of <load>/iter_NNNNNNN (any parallel layout:
+                                   integrations/megatron_state.py), check_resume()
     on_train_step_start            begin_step(step + 1)
       train_step                   forward/backward/optimizer step
     on_train_step_end              end_step(step + 1, loss_dict["lm loss"], grad_norm)
     train_state.step += 1
-    checkpoint_and_decide_exit     saves through save_checkpoint  [wrapped: + mechmon_rank{r}.pt]
+    checkpoint_and_decide_exit     saves through save_checkpoint  [wrapped: + mechmon state]
     sys.exit(exit_code)            after should_exit
 
 An alarm with ``checkpoint_and_exit``: a callback can neither return an exit request nor set the
@@ -46,11 +47,10 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -58,11 +58,6 @@ __all__ = ["BridgeActions", "MechMonCallback", "state_path"]
 
 TRAIN_MODULE = "megatron.bridge.training.train"
 LOSS_KEY = "lm loss"
-
-
-def state_path(checkpoint_dir: str, rank: int) -> str:
-    """File of rank ``rank``'s monitor state inside a checkpoint directory."""
-    return os.path.join(checkpoint_dir, f"mechmon_rank{rank}.pt")
 
 
 def _iteration_dir(save: str, iteration: int) -> str:
@@ -177,41 +172,22 @@ class MechMonCallback:
                 step = int(state.train_state.step)
                 directory = _iteration_dir(save, step)
                 self.mon.note_checkpoint(step, directory)
-                self._write_state(directory)
+                save_state(self.mon, directory)
             return result
 
         module.save_checkpoint = save_checkpoint
-
-    def _write_state(self, directory: str) -> None:
-        rank = comm.global_rank()
-        path = state_path(directory, rank)
-        try:
-            os.makedirs(directory, exist_ok=True)
-            torch.save({"world_size": comm.world_size(), "rank": rank,
-                        "mechmon": self.mon.state_dict()}, f"{path}.tmp")
-            os.replace(f"{path}.tmp", path)
-        except OSError as exc:
-            warnings.warn(f"mechmon: could not write {path} ({exc}); a resume from this "
-                          "checkpoint starts monitoring afresh", RuntimeWarning, stacklevel=2)
 
     def _load_state(self, state: Any) -> None:
         iteration = int(state.train_state.step)
         load = getattr(state.cfg.checkpoint, "load", None)
         if not load or iteration <= 0:
             return
-        path = state_path(_iteration_dir(load, iteration), comm.global_rank())
-        saved = None
-        if os.path.isfile(path):
-            try:
-                # Written by _write_state above (nested dicts/lists/tensors/str).
-                data = torch.load(path, map_location="cpu", weights_only=False)
-                if (data["world_size"] == comm.world_size()
-                        and len(data["mechmon"]["monitors"]) == len(self.mon.monitors)):
-                    saved = data["mechmon"]
-            except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
-                warnings.warn(f"mechmon: {path} unreadable ({exc})", RuntimeWarning,
-                              stacklevel=2)
-        if self.mon.load_state_if_all(saved):
+        loaded, problem = load_state(self.mon, _iteration_dir(load, iteration))
+        if problem is not None and (not loaded or comm.global_rank() == 0):
+            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
+                          + ("restored, " if loaded else "not restored, ") + problem,
+                          RuntimeWarning, stacklevel=2)
+        if loaded:
             return
         # Second latch: an unacknowledged stopping alarm raised at the resumed iteration.
         alarm_file = os.path.join(load, ALARM_FILENAME)

@@ -8,8 +8,9 @@ arguments)::
     pretrain()
       setup_model_and_optimizer   [wrapped] build monitors from the model chunks and optimizer,
                                   attach MechMon (sinks on rank world_size - 1, where Megatron's
-                                  TensorBoard / W&B writers live), load
-                                  <load>/iter_NNNNNNN/mechmon_rank{r}.pt, check_resume()
+                                  TensorBoard / W&B writers live), load the
+                                  state of <load>/iter_NNNNNNN (any parallel layout),
+                                  check_resume()
       train(): per iteration, `iteration` = completed updates
         train_step(..., iteration=it)   [wrapped] begin_step(it + 1) ... end_step(it + 1, loss,
                                         grad_norm); the update makes iteration it + 1 and train()
@@ -17,7 +18,9 @@ arguments)::
                                         Megatron's iteration number (logs, iter_NNNNNNN)
         iteration += 1; training_log; eval
         checkpoint_and_decide_exit      [wrapped] after an alarm: save, return True
-      save_checkpoint                   [wrapped] + mechmon_rank{r}.pt beside every checkpoint
+      save_checkpoint                   [wrapped] + mechmon_rank{r}.pt and mechmon/ (the sharded
+                                  QK snapshots) in every persistent checkpoint
+                                  (:mod:`~mechmon_megatron.integrations.megatron_state`)
       sys.exit(exit_code)               86 (actions.exit_code) after an alarm
 
 Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by MechMon):
@@ -72,14 +75,13 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
 from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
 from mechmon_megatron.integrations.megatron_lm_probe import StepBatch
+from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -218,11 +220,6 @@ def process_exit_code(alarm_exit_code: int, environ: Mapping[str, str] | None = 
     """
     env = os.environ if environ is None else environ
     return 0 if env.get(FT_LAUNCHER_ENV) else int(alarm_exit_code)
-
-
-def state_path(checkpoint_dir: str, rank: int) -> str:
-    """File of rank ``rank``'s monitor state inside a Megatron checkpoint directory."""
-    return os.path.join(checkpoint_dir, f"mechmon_rank{rank}.pt")
 
 
 def _iteration_dir(save: str, iteration: int) -> str:
@@ -365,34 +362,20 @@ class MegatronLMHooks:
         return result
 
     def _load_state(self, margs: Any) -> None:
-        """Load this rank's monitor state from the resumed checkpoint, if every rank has one."""
+        """Restore the monitor state saved with the resumed checkpoint
+        (:func:`~mechmon_megatron.integrations.megatron_state.load_state`: any parallel layout);
+        collective."""
         iteration = int(getattr(margs, "iteration", 0) or 0)
         if not margs.load or iteration <= 0 or getattr(margs, "finetune", False):
             return
-        path = state_path(_iteration_dir(margs.load, iteration), comm.global_rank())
-        state, problem = None, None
-        if not os.path.isfile(path):
-            problem = f"{path} not found"
-        else:
-            try:
-                # Written by _write_state of this module (nested dicts/lists/tensors/str).
-                saved = torch.load(path, map_location="cpu", weights_only=False)
-                if saved["world_size"] != comm.world_size():
-                    problem = (f"saved at world size {saved['world_size']}, "
-                               f"running at {comm.world_size()}")
-                elif len(saved["mechmon"]["monitors"]) != len(self.mon.monitors):
-                    problem = "saved with a different set of monitors"
-                else:
-                    state = saved["mechmon"]
-            except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
-                problem = f"{path} unreadable ({type(exc).__name__}: {exc})"
-        if self.mon.load_state_if_all(state):
-            return
-        if problem is not None:
-            warnings.warn(f"mechmon: monitor state of iteration {iteration} not restored "
-                          f"({problem}); monitoring starts on fresh baselines", RuntimeWarning,
-                          stacklevel=2)
-        self._latch_alarm_file(margs.load, iteration)
+        loaded, problem = load_state(self.mon, _iteration_dir(margs.load, iteration))
+        if problem is not None and (not loaded or comm.global_rank() == 0):
+            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
+                          + ("restored, " if loaded else "not restored, ") + problem
+                          + ("" if loaded else "; monitoring starts on fresh baselines"),
+                          RuntimeWarning, stacklevel=2)
+        if not loaded:
+            self._latch_alarm_file(margs.load, iteration)
 
     def _latch_alarm_file(self, load: str, iteration: int) -> None:
         """Second latch when the state files are missing: an unacknowledged
@@ -495,21 +478,8 @@ class MegatronLMHooks:
         if save and not a.get("non_persistent_ckpt") and not a.get("release"):
             directory = _iteration_dir(save, int(a["iteration"]))
             self.mon.note_checkpoint(int(a["iteration"]), directory)
-            self._write_state(directory)
+            save_state(self.mon, directory)
         return result
-
-    def _write_state(self, directory: str) -> None:
-        rank = comm.global_rank()
-        path = state_path(directory, rank)
-        tmp = f"{path}.tmp"
-        try:
-            os.makedirs(directory, exist_ok=True)
-            torch.save({"world_size": comm.world_size(), "rank": rank,
-                        "mechmon": self.mon.state_dict()}, tmp)
-            os.replace(tmp, path)
-        except OSError as exc:
-            warnings.warn(f"mechmon: could not write {path} ({exc}); a resume from this "
-                          "checkpoint starts monitoring afresh", RuntimeWarning, stacklevel=2)
 
     def _announce_exit(self, alarm: Any, when: str) -> None:
         if comm.global_rank() != 0:

@@ -40,7 +40,6 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_state",
-    "row_sharded",
     "optimizer_sharded",
 ]
 
@@ -165,16 +164,6 @@ def load_state(path: str | os.PathLike[str], sharded: dict[str, Any]) -> dict[st
         raise FileNotFoundError(f"{state_dir}: this checkpoint has no layout-independent "
                                 "optimizer state; resume it with the layout it was saved with")
     return dist_checkpointing.load(sharded, str(state_dir))
-
-
-def row_sharded(key: str, shard: Any) -> Any:
-    """A megatron ``ShardedTensor`` of a ``qk_state.RowShard`` (rows of a global tensor)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    rows = shard.tensor.shape[0]
-    return ShardedTensor.from_rank_offsets(key, shard.tensor.contiguous(),
-                                           (0, shard.offset // rows, shard.global_rows // rows),
-                                           replica_id=shard.replica)
 
 
 def optimizer_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -375,11 +375,8 @@ class _Trainer:
 
     def save_checkpoint(self, step: int) -> str | None:
         """Save iteration ``step`` to the save directory (collective); returns its path."""
-        from mechmon_megatron.train.checkpoint import (
-            optimizer_sharded,
-            row_sharded,
-            save_checkpoint,
-        )
+        from mechmon_megatron.integrations.megatron_state import row_sharded
+        from mechmon_megatron.train.checkpoint import optimizer_sharded, save_checkpoint
 
         state = self._rank_state(step)
         # mechmon's snapshots go to the sharded part only (rows of global tensors), the rest
@@ -431,7 +428,8 @@ class _Trainer:
         """Load ``checkpoint.load``; returns mechmon's check_resume verdict (collective)."""
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        from mechmon_megatron.train.checkpoint import load_checkpoint, load_state, row_sharded
+        from mechmon_megatron.integrations.megatron_state import row_sharded
+        from mechmon_megatron.train.checkpoint import load_checkpoint, load_state
 
         state = load_checkpoint(self.cfg.checkpoint.load, self.model, self.layout)
         self.data.load_state_dict(state["data"])
@@ -459,7 +457,8 @@ class _Trainer:
         the checkpoint's sharded ``state`` (the rows this layout holds), the rest from rank 0's
         file (layout-independent). The TP RNG tracker restarts from its seed (dropout streams
         differ between layouts anyway)."""
-        from mechmon_megatron.train.checkpoint import load_state, optimizer_sharded, row_sharded
+        from mechmon_megatron.integrations.megatron_state import row_sharded
+        from mechmon_megatron.train.checkpoint import load_state, optimizer_sharded
 
         template = optimizer_sharded(self.model, self.optimizer, init=True)
         params = [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -1,0 +1,175 @@
+"""mechmon's state inside Megatron-LM and Megatron-Bridge checkpoints, for any parallel layout.
+
+Beside Megatron's own files, every persistent checkpoint iteration directory gets::
+
+    iter_NNNNNNN/mechmon_rank{r}.pt   rank r's common state (torch.save, written atomically):
+                                      the layout it was saved under, detectors, counters, the
+                                      alarm, the monitors' per-rank state (optim window,
+                                      sharpness warm start), the snapshots' metadata
+    iter_NNNNNNN/mechmon/             megatron-core dist_checkpointing (Megatron's own sharded
+                                      format) of the QK snapshots: rows of global tensors keyed
+                                      by global layer, head and kv group, written once (a DP
+                                      replica's rows carry replica_id > 0)
+
+Resume (:func:`load_state`, collective): when every rank finds its own file saved under the
+same layout (world size, TP, PP, VPP, CP, EP, expert-TP), each restores it; otherwise every rank
+takes rank 0's common state with ``resharded``: the snapshots its heads hold under the new
+layout are read from ``mechmon/`` by dist_checkpointing's load (any TP / PP / DP mapping of the
+same model), and the per-rank state is dropped (warned). Rank files of the earlier format (the
+snapshots inside, no layout) still load under the same world size.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+
+__all__ = ["SHARD_DIR", "state_path", "current_layout", "save_state", "load_state",
+           "row_sharded"]
+
+SHARD_DIR = "mechmon"
+"""Subdirectory of an iteration directory holding the sharded snapshots."""
+
+_FORMAT = 2
+
+
+def state_path(checkpoint_dir: str, rank: int) -> str:
+    """File of rank ``rank``'s common monitor state inside a checkpoint iteration directory."""
+    return os.path.join(checkpoint_dir, f"mechmon_rank{rank}.pt")
+
+
+def current_layout() -> dict[str, int | None]:
+    """The parallel layout the snapshots' placement depends on (megatron-core parallel_state;
+    only the world size where it is not initialised)."""
+    layout: dict[str, int | None] = {"world": comm.world_size()}
+    try:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return layout
+        layout.update(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_world_size())
+    except (ImportError, AssertionError, AttributeError):
+        pass
+    return layout
+
+
+def row_sharded(key: str, shard: Any) -> Any:
+    """A megatron ``ShardedTensor`` of a ``qk_state.RowShard`` (rows of a global tensor)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    rows = shard.tensor.shape[0]
+    return ShardedTensor.from_rank_offsets(key, shard.tensor.contiguous(),
+                                           (0, shard.offset // rows, shard.global_rows // rows),
+                                           replica_id=shard.replica)
+
+
+def _sharded(mon: Any) -> bool:
+    """Whether any monitor keeps snapshots as row shards (the same on every rank: attach
+    compares the monitor schedule)."""
+    return any(hasattr(m, "sharded_state") for m in mon.monitors)
+
+
+def save_state(mon: Any, directory: str) -> None:
+    """Write ``directory``'s ``mechmon/`` and this rank's ``mechmon_rank{r}.pt``; collective
+    (call on every rank after the framework's save of the same iteration).
+
+    A failure to write the rank file is warned (a resume then starts afresh); a failure inside
+    dist_checkpointing's collective save propagates, as Megatron's own save failures do.
+    """
+    from megatron.core import dist_checkpointing
+
+    rank = comm.global_rank()
+    common, rows = mon.sharded_state()
+    if _sharded(mon):
+        shard_dir = os.path.join(directory, SHARD_DIR)
+        if rank == 0:
+            shutil.rmtree(shard_dir, ignore_errors=True)  # a re-save of the same iteration
+            os.makedirs(shard_dir)
+        comm.barrier()
+        dist_checkpointing.save({k: row_sharded(k, v) for k, v in rows.items()}, shard_dir)
+    path = state_path(directory, rank)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"format": _FORMAT, "world_size": comm.world_size(), "rank": rank,
+                    "layout": current_layout(), "mechmon": common}, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+    except OSError as exc:
+        warnings.warn(f"mechmon: could not write {path} ({exc}); a resume from this checkpoint "
+                      "starts monitoring afresh", RuntimeWarning, stacklevel=2)
+
+
+def _read(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    if not os.path.isfile(path):
+        return None, f"{path} not found"
+    try:
+        # Written by save_state (nested dicts/lists/tensors/str).
+        return torch.load(path, map_location="cpu", weights_only=False), None
+    except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
+        return None, f"{path} unreadable ({type(exc).__name__}: {exc})"
+
+
+def _same(saved: dict[str, Any] | None, layout: dict[str, Any]) -> bool:
+    if saved is None:
+        return False
+    if saved.get("format") != _FORMAT:  # the earlier format records the world size only
+        return saved.get("world_size") == layout["world"]
+    return saved.get("layout") == layout
+
+
+def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
+    """Restore the state :func:`save_state` wrote into ``directory``; collective (two MAX
+    all-reduces that agree on the layout and the format, then ``MechMon.load_sharded`` or,
+    for the earlier format, ``MechMon.load_state_if_all``).
+
+    Returns:
+        ``(loaded, problem)``: whether every rank restored the state (else all start afresh),
+        and why not, or what was dropped, for a warning.
+    """
+    layout = current_layout()
+    saved, problem = _read(state_path(directory, comm.global_rank()))
+    same = _same(saved, layout)
+    resharded = bool(comm.all_reduce_max(torch.tensor([int(not same)]), mon.group).item())
+    if resharded:
+        saved, problem = _read(state_path(directory, 0))
+        if saved is not None:
+            problem = (f"saved under layout {saved.get('layout')}, resumed under {layout}: "
+                       "snapshots resharded, per-rank optimizer-monitor state dropped")
+    legacy = saved is not None and saved.get("format") != _FORMAT
+    if comm.all_reduce_max(torch.tensor([int(legacy)]), mon.group).item():
+        common = saved["mechmon"] if legacy and not resharded else None
+        if legacy and resharded:
+            problem = "saved in the earlier per-rank format under another layout"
+        return mon.load_state_if_all(_checked(mon, common)), problem
+    shard_dir = os.path.join(directory, SHARD_DIR)
+
+    def load(rows: dict[str, Any]) -> dict[str, Any]:
+        from megatron.core import dist_checkpointing
+
+        if not os.path.isdir(shard_dir):  # the same answer on every rank (one file system)
+            return {}
+        return dist_checkpointing.load({k: row_sharded(k, v) for k, v in rows.items()},
+                                       shard_dir)
+
+    common = _checked(mon, None if saved is None else saved["mechmon"])
+    return mon.load_sharded(common, load, resharded=resharded), problem
+
+
+def _checked(mon: Any, common: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``common`` unless it was saved with another number of monitors (then None: afresh)."""
+    if common is not None and len(common["monitors"]) != len(mon.monitors):
+        warnings.warn("mechmon: saved state has a different set of monitors; not restored",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    return common

@@ -3,7 +3,8 @@
 Under ZeRO-3 a module parameter is an empty placeholder outside DeepSpeed's gather hooks; its
 values live in partitions of ``P = ceil(numel / DP)`` elements per data-parallel rank (zero
 padded on the last): ``p.ds_tensor``, the module's working copy, and the optimizer's fp32 master
-partition. The probe works in that partitioned space, so no rank ever holds a full weight
+partition (whose padding is not zeroed: the probe zeroes it in its copy, since the weight norm
+sets the difference step). The probe works in that partitioned space, so no rank ever holds a full weight
 vector of the model:
 
 - weights and Adam's moments are this rank's fp32 partitions (``safe_get_local_fp32_param``,
@@ -47,19 +48,31 @@ def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
                 trackers: Sequence, group: comm.Group) -> CurvatureProbe:
     """The probe over this rank's partitions: weights and Adam's state read locally, gradients
     through :func:`zero3_gradient`; every partition element is owned by this rank."""
-    return CurvatureProbe(names, zero3_weights(params), [True] * len(params), lambda _: None,
-                          lambda g: g, zero3_adam(engine, params, ready, group), group=group,
+    rank = comm.rank(group)
+    return CurvatureProbe(names, zero3_weights(params, rank), [True] * len(params),
+                          lambda _: None, lambda g: g, zero3_adam(engine, params, ready, group),
+                          group=group,
                           gradient=zero3_gradient(engine, params, loss, trackers, group),
-                          weights=lambda: zero3_weights(params))
+                          weights=lambda: zero3_weights(params, rank))
 
 
-def zero3_weights(params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """This rank's fp32 partition of each parameter (flat, ``P`` elements; local read): views of
-    the optimizer's master partitions, read again at each evaluation (a checkpoint load may
-    replace the tensors they view)."""
+def zero3_weights(params: Sequence[torch.nn.Parameter], rank: int) -> list[torch.Tensor]:
+    """This rank's fp32 partition of each parameter (flat, ``P`` elements; local read), read
+    again at each evaluation (a checkpoint load may replace the tensors). The last rank's
+    padding holds whatever the flat buffer held (not zeros; it enters no update), so a padded
+    partition is a copy with the padding zeroed; the others are views of the master partitions.
+    """
     from deepspeed.utils import safe_get_local_fp32_param
 
-    return [safe_get_local_fp32_param(p).detach().float() for p in params]
+    out = []
+    for p in params:
+        w = safe_get_local_fp32_param(p).detach().float()
+        valid = min(max(p.ds_numel - rank * w.numel(), 0), w.numel())
+        if valid < w.numel():
+            w = w.clone()
+            w[valid:] = 0.0
+        out.append(w)
+    return out
 
 
 def zero3_adam(engine: Any, params: Sequence[torch.nn.Parameter], ready: Callable[[], bool],

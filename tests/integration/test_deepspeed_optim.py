@@ -37,11 +37,15 @@ def _deepspeed_ops() -> None:
     build_shm_op()
 
 
-def _engine(stage: int, block: dict, persist: bool = False):
+def _engine(stage: int, block: dict, persist: bool = False, odd: bool = False):
     import deepspeed
 
     torch.manual_seed(0)
-    model = TRAIN.TinyLM(VOCAB, d_model=32, layers=2, heads=4, kv_heads=2)
+    # odd: width 33 with 3 heads of 11 and one KV head, so most weights have an odd number of
+    # elements and ZeRO-3's two partitions of each are padded.
+    shape = {"d_model": 33, "heads": 3, "kv_heads": 1} if odd else {
+        "d_model": 32, "heads": 4, "kv_heads": 2}
+    model = TRAIN.TinyLM(VOCAB, layers=2, **shape)
     zero = {"stage": stage}
     if stage == 3 and not persist:
         zero["stage3_param_persistence_threshold"] = 0  # partition even the tiny weights
@@ -85,15 +89,16 @@ def _key_ratio(signals: dict[str, float], key: str) -> float:
     return math.sqrt(signals[f"optim/update_sq/{key}"] / signals[f"optim/weight_sq/{key}"])
 
 
-def _run(rank: int, tmp: str, stage: int, optim: bool, persist: bool = False) -> dict:
+def _run(rank: int, tmp: str, stage: int, optim: bool, persist: bool = False,
+         odd: bool = False) -> dict:
     from mechmon_megatron.deepspeed import attach
 
-    out_dir = os.path.join(tmp, f"zero{stage}_{int(optim)}_{int(persist)}")
+    out_dir = os.path.join(tmp, f"zero{stage}_{int(optim)}_{int(persist)}_{int(odd)}")
     block = {"output_dir": out_dir, "qk": {"enabled": False}, "sinks": QUIET,
              "actions": {"on_alarm": "log"},
              "optim": {"enabled": optim, "interval": EVERY,
                        "sharpness": {"interval": EVERY, "iters": 4, "tol": 0.0}}}
-    engine = _engine(stage, block, persist)
+    engine = _engine(stage, block, persist, odd)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mm = attach(engine)
@@ -124,6 +129,8 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     # between forwards (the probe must refresh them from the displaced partitions).
     runs.update({f"3p_{int(optim)}": _run(rank, tmp, 3, optim, persist=True)
                  for optim in (True, False)})
+    runs.update({f"{stage}odd_{int(optim)}": _run(rank, tmp, stage, optim, odd=True)
+                 for stage, optim in ((0, True), (3, True), (3, False))})
     return runs
 
 
@@ -163,5 +170,21 @@ def test_training_with_the_optim_family_is_bitwise_equal_to_training_without(run
     for rank in runs:
         on, off = rank[f"{stage}_1"], rank[f"{stage}_0"]
         assert on["losses"] == off["losses"]
+        for name, weight in off["weights"].items():
+            assert np.array_equal(on["weights"][name], weight), name
+
+
+def test_zero_3_partitions_with_padding_give_the_zero_0_sharpness_and_change_nothing(runs):
+    """Odd-sized weights: each rank's partition ends in padding, which the probe must neither
+    displace nor count in its vector norms."""
+    padded = [p for p in runs[0]["3odd_1"]["weights"].values() if p.size % 2]
+    assert len(padded) >= 4  # the premise: several partitions are padded
+    zero0, zero3 = runs[0]["0odd_1"]["table"], runs[0]["3odd_1"]["table"]
+    for step in MONITORED:
+        a, b = zero0[step]["optim/sharpness/lambda"], zero3[step]["optim/sharpness/lambda"]
+        assert math.isfinite(a) and a > 0 and b == pytest.approx(a, rel=0.01), (step, a, b)
+    for rank in runs:
+        on, off = rank["3odd_1"], rank["3odd_0"]
+        assert on["warnings"] == [] and on["losses"] == off["losses"]
         for name, weight in off["weights"].items():
             assert np.array_equal(on["weights"][name], weight), name

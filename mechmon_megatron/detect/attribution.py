@@ -15,21 +15,26 @@ Ties on the onset step count as "within the window" (window 0 = the same onset s
 head numbers are parsed from the signal names (``.../layer_<L>[/head_<H>]``).
 
 Findings count for their signal's family, with one exception: when every ``optim`` finding is on
-the router's weight group (``optim/<stat>/router[/layer_<L>]``), they count for ``router``. A
-learning-rate fault moves the update ratios of every weight group; updates that are too large
-for the router's weights alone are a router-local fault, the way a router collapse begins.
+the router's weight group (``optim/<stat>/router[/layer_<L>]``) or is a sharpness finding whose
+top eigenvector lives mostly in the router's weights (``locus == "router"``: the sample's
+``optim/sharpness/share/router`` >= 1/2, set by :func:`locate`), they count for ``router``. A
+learning-rate fault moves every weight group; updates too large, or curvature at the edge of
+stability, in the router's weights alone are a router-local fault, the way a router collapse
+begins.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mechmon_megatron.detect.detectors import Finding
 
-__all__ = ["Diagnosis", "FAULT_CLASSES", "DESCRIPTIONS", "diagnose", "parse_location"]
+__all__ = ["Diagnosis", "FAULT_CLASSES", "DESCRIPTIONS", "diagnose", "locate",
+           "parse_location"]
 
 FAULT_CLASSES = {
     "attn": "attention",
@@ -91,6 +96,20 @@ def parse_location(signal: str) -> tuple[int | None, int | None]:
     return (int(layer.group(1)) if layer else None, int(head.group(1)) if head else None)
 
 
+ROUTER_SHARE = "optim/sharpness/share/router"
+"""The top eigenvector's share in the router's weights (``monitors/sharpness.py``)."""
+
+
+def locate(finding: Finding, table: Mapping[str, float]) -> Finding:
+    """``finding`` with ``locus = "router"`` when it is a sharpness finding and the same
+    sample's :data:`ROUTER_SHARE` is at least 1/2 (most of the unstable mode is in the router's
+    weights); unchanged otherwise."""
+    share = table.get(ROUTER_SHARE, math.nan)
+    if finding.signal.startswith("optim/sharpness/") and share >= 0.5:
+        return replace(finding, locus="router")
+    return finding
+
+
 def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis:
     """Classify an alarm.
 
@@ -109,7 +128,8 @@ def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis
     if not findings:
         raise ValueError("diagnose: no findings")
     optim = [f for f in findings if f.family == "optim"]
-    router_only = bool(optim) and all(_ROUTER_GROUP.match(f.signal) for f in optim)
+    router_only = bool(optim) and all(
+        _ROUTER_GROUP.match(f.signal) or f.locus == "router" for f in optim)
 
     def family(f: Finding) -> str:
         return "router" if router_only and f.family == "optim" else f.family

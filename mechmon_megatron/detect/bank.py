@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mechmon_megatron.config import DetectorsConfig, FamilyDetectorConfig, MechMonConfig
-from mechmon_megatron.detect.attribution import Diagnosis, diagnose
+from mechmon_megatron.detect.attribution import Diagnosis, diagnose, locate
 from mechmon_megatron.detect.baseline import Baseline
 from mechmon_megatron.detect.budget import (
     cusum_threshold,
@@ -297,6 +297,7 @@ class DetectorBank:
             if name in signals:
                 raw = float(signals[name])
                 findings.extend(channel.update(step, float(relative.get(name, raw)), raw))
+        findings = [locate(f, signals) for f in findings]
         self.alarming.extend(f for f in findings if f.alarm)
         self._pool_long_run()
         return findings

@@ -74,6 +74,9 @@ class Finding:
         baseline_scale: scale the rule standardized by (NaN if none).
         score: the rule's statistic (see the module table).
         alarm: whether this finding raises the alarm (comparison rules only log by default).
+        locus: where the signal places the fault when its name does not say it (the sharpness
+            signals: ``router`` when the top eigenvector lives mostly in the router's weights,
+            see ``detect/attribution.py``); None otherwise.
     """
 
     detector: str
@@ -86,6 +89,7 @@ class Finding:
     baseline_scale: float
     score: float
     alarm: bool = True
+    locus: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields."""

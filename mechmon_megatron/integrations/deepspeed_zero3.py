@@ -1,11 +1,11 @@
 """The sharpness probe on ZeRO-3 engines: its vectors are this rank's partitions.
 
 Under ZeRO-3 a module parameter is an empty placeholder outside DeepSpeed's gather hooks; its
-values live in partitions of ``P = ceil(numel / DP)`` elements per data-parallel rank (zero
-padded on the last): ``p.ds_tensor``, the module's working copy, and the optimizer's fp32 master
+values live in partitions of ``P = ceil(numel / DP)`` elements per data-parallel rank (padded
+on the last): ``p.ds_tensor``, the module's working copy, and the optimizer's fp32 master
 partition (whose padding is not zeroed: the probe zeroes it in its copy, since the weight norm
-sets the difference step). The probe works in that partitioned space, so no rank ever holds a full weight
-vector of the model:
+sets the difference step). The probe works in that partitioned space, so no rank ever holds a
+full weight vector of the model:
 
 - weights and Adam's moments are this rank's fp32 partitions (``safe_get_local_fp32_param``,
   ``safe_get_local_optimizer_state``: local reads, no collective; lr, betas and eps from the

@@ -27,6 +27,8 @@ mean is the exact total; the ratios are derived from the reduced table.
 ``optim/sharpness/lambda``             ``lambda_max`` per unit of the largest group LR
 ``optim/sharpness/iters``              power-iteration products used
 ``optim/sharpness/residual``           ``|M v - lambda v| / |lambda|`` of the last iterate
+``optim/sharpness/share/<g>``          fraction of the top eigenvector ``|v|^2`` in weight group
+                                       g (where the mode at the edge of stability lives)
 =====================================  ===========================================================
 
 Sharpness runs every ``sharpness.interval`` steps (a multiple of ``interval``) when the
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.sharpness import CurvatureProbe, SharpnessEstimator
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
@@ -136,6 +139,7 @@ class OptimMonitor:
     def signal_names(self) -> list[str]:
         """Every optimizer signal of the model, sorted."""
         names = [f"optim/sharpness/{s}" for s in SHARPNESS_SIGNALS]
+        names += [f"optim/sharpness/share/{g}" for g in GROUPS]
         if self.config.update_ratio.enabled:
             for key in self.holders:
                 names += [f"optim/update_sq/{key}", f"optim/weight_sq/{key}",

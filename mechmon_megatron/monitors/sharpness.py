@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.param_groups import GROUPS, param_group
 from mechmon_megatron.math.curvature import (
     PowerResult,
     central_difference_hvp,
@@ -152,6 +153,7 @@ class SharpnessEstimator:
                           "partitions); using finite_difference", RuntimeWarning, stacklevel=2)
         self.vector: list[torch.Tensor] | None = None
         self._inputs: tuple | None = None
+        self._groups = [GROUPS.index(param_group(name)) for name in probe.names]
 
     def ready(self) -> bool:
         """Prepare this rank's inputs (optimizer state, preconditioner, start vector: local, may
@@ -213,7 +215,23 @@ class SharpnessEstimator:
             "optim/sharpness/lambda": result.value / eta if eta > 0 else None,
             "optim/sharpness/iters": float(result.iters),
             "optim/sharpness/residual": result.residual,
+            **self._shares(result.vector),
         }
+
+    def _shares(self, vector: Sequence[torch.Tensor]) -> dict[str, float]:
+        """``optim/sharpness/share/<group>``: the fraction of the top eigenvector's squared
+        norm in each weight group (``layouts.param_groups.GROUPS``): where the mode at the edge
+        of stability lives. One SUM all-reduce of a ``len(GROUPS)`` vector over owned elements;
+        NaN when the vector is zero or not finite."""
+        acc = torch.zeros(len(GROUPS), dtype=torch.float64)
+        for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True):
+            if own:
+                acc[g] += v.double().pow(2).sum().cpu()
+        acc = comm.all_reduce_sum(acc, self.probe.group)
+        total = float(acc.sum())
+        ok = math.isfinite(total) and total > 0.0
+        return {f"optim/sharpness/share/{g}": float(acc[i]) / total if ok else math.nan
+                for i, g in enumerate(GROUPS)}
 
     def memory_bytes(self) -> int:
         """Bytes held between evaluations (the warm-start vector)."""

@@ -55,6 +55,36 @@ def test_update_ratios_of_the_router_group_alone_name_the_router_not_the_learnin
     assert sharp.fault_class == "lr"
 
 
+def test_the_sharpness_bound_names_the_router_when_its_top_eigenvector_lives_there():
+    from mechmon_megatron.detect import attribution
+
+    eos = _finding("optim/sharpness/eos_ratio", 300, detector="bounds")
+    share = attribution.ROUTER_SHARE
+    router = attribution.locate(eos, {share: 0.9, "optim/sharpness/share/mlp": 0.1})
+    assert router.locus == "router"
+    assert diagnose([router]).fault_class == "router_collapse"
+    for table in ({share: 0.3}, {share: float("nan")}, {}):  # spread, or no estimate
+        assert attribution.locate(eos, table).locus is None
+        assert diagnose([attribution.locate(eos, table)]).fault_class == "lr"
+    # only sharpness findings are located; another group's update ratio keeps it `lr`
+    qkv = _finding("optim/update_ratio/qkv", 300)
+    assert attribution.locate(qkv, {share: 0.9}).locus is None
+    assert diagnose([router, attribution.locate(qkv, {share: 0.9})]).fault_class == "lr"
+    # through the bank: the same sample's share sets the locus of the bound's finding
+    cfg = load_config({"detectors": {"warmup_samples": 3, "attn": {"enabled": False},
+                                     "router": {"enabled": False}, "global": {"enabled": False},
+                                     "fp8": {"enabled": False}}})
+    bank = DetectorBank(cfg, ["optim/sharpness/eos_ratio", share])
+    found = []
+    for step in range(1, 12):
+        eos_ratio = 3.0 if step >= 8 else 0.5
+        found += bank.update(step, {"optim/sharpness/eos_ratio": eos_ratio, share: 0.8})
+    bounds = [f for f in found if f.detector == "bounds"]
+    assert bounds and all(f.locus == "router" for f in bounds)
+    assert bank.diagnosis().fault_class == "router_collapse"
+    assert Finding(**bounds[0].to_dict()) == bounds[0]  # the locus survives the state round trip
+
+
 def test_global_only_is_a_global_fault():
     d = diagnose([_finding(LOSS, 100, detector="nonfinite", score=float("inf"))])
     assert (d.fault_class, d.families) == ("global", ["global"])

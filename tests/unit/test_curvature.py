@@ -153,3 +153,43 @@ def test_warm_started_estimate_is_within_1_percent_of_the_exact_preconditioned_s
     assert second["optim/sharpness/lambda"] == pytest.approx(value / 0.05)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(("router_lr", "mlp_lr"), [(0.05, 50.0), (50.0, 0.05)])
+def test_eigenvector_shares_by_weight_group_match_the_exact_top_eigenvector(
+        router_lr: float, mlp_lr: float) -> None:
+    """The first Linear named as a router, the second as an MLP: ``share/<group>`` is the exact
+    top eigenvector's squared mass in each group; a group's LR x1000 puts the mode there."""
+    from mechmon_megatron.config import SharpnessConfig
+
+    model, opt = _adam_model()
+    real = [n for n, _ in model.named_parameters()]
+    names = ["decoder.layers.0.mlp.router.weight", "decoder.layers.0.mlp.router.bias",
+             "decoder.layers.0.mlp.linear_fc2.weight", "decoder.layers.0.mlp.linear_fc2.bias"]
+    params = list(model.parameters())
+    lrs = [router_lr, router_lr, mlp_lr, mlp_lr]
+
+    def adam() -> AdamState:
+        st = [opt.state[p] for p in params]
+        den = [(s["exp_avg_sq"] / (1 - 0.999 ** float(s["step"]))).sqrt() + 1e-8 for s in st]
+        return AdamState(den, lrs, 0.9, [s["exp_avg"] for s in st])
+
+    rename = dict(zip(names, real, strict=True))
+    probe = CurvatureProbe(names, params, [True] * 4,
+                           lambda o: _loss(model, {rename[k]: v for k, v in o.items()}),
+                           lambda g: g, adam)
+    state = adam()
+    d_half = _flat([(lr / d).sqrt() for lr, d in zip(lrs, state.denominators, strict=True)])
+    vals, vecs = torch.linalg.eigh(d_half[:, None] * _explicit_hessian(model) * d_half[None, :])
+    top = vecs[:, vals.abs().argmax()]
+    router_mass = float(top[:params[0].numel() + params[1].numel()].pow(2).sum())
+    est = SharpnessEstimator(SharpnessConfig(iters=8, tol=0.0, fd_scale=1e-4), probe)
+    for _ in range(6):
+        assert est.ready()
+        out = est.estimate()
+    shares = {k.rsplit("/", 1)[1]: v for k, v in out.items() if "/share/" in k}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["router"] == pytest.approx(router_mass, abs=0.02)
+    assert shares["mlp"] == pytest.approx(1.0 - router_mass, abs=0.02)
+    assert shares["qkv"] == 0.0
+    assert shares["router"] > 0.9 if router_lr > mlp_lr else shares["router"] < 0.1

@@ -15,8 +15,8 @@ Resume (:func:`load_state`, collective): when every rank finds its own file save
 same layout (world size, TP, PP, VPP, CP, EP, expert-TP), each restores it; otherwise every rank
 takes rank 0's common state with ``resharded``: the snapshots its heads hold under the new
 layout are read from ``mechmon/`` by dist_checkpointing's load (any TP / PP / DP mapping of the
-same model), and the per-rank state is dropped (warned). Rank files of the earlier format (the
-snapshots inside, no layout) still load under the same world size.
+same model), and the per-rank state is dropped (warned). A rank file of an earlier mechmon
+version is not loaded (warned; monitoring starts afresh, the alarm file still latches an alarm).
 """
 
 from __future__ import annotations
@@ -120,18 +120,9 @@ def _read(path: str) -> tuple[dict[str, Any] | None, str | None]:
         return None, f"{path} unreadable ({type(exc).__name__}: {exc})"
 
 
-def _same(saved: dict[str, Any] | None, layout: dict[str, Any]) -> bool:
-    if saved is None:
-        return False
-    if saved.get("format") != _FORMAT:  # the earlier format records the world size only
-        return saved.get("world_size") == layout["world"]
-    return saved.get("layout") == layout
-
-
 def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
-    """Restore the state :func:`save_state` wrote into ``directory``; collective (two MAX
-    all-reduces that agree on the layout and the format, then ``MechMon.load_sharded`` or,
-    for the earlier format, ``MechMon.load_state_if_all``).
+    """Restore the state :func:`save_state` wrote into ``directory``; collective (one MAX
+    all-reduce that agrees on the layout, then ``MechMon.load_sharded``).
 
     Returns:
         ``(loaded, problem)``: whether every rank restored the state (else all start afresh),
@@ -139,19 +130,18 @@ def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
     """
     layout = current_layout()
     saved, problem = _read(state_path(directory, comm.global_rank()))
-    same = _same(saved, layout)
+    same = saved is not None and saved.get("layout") == layout
     resharded = bool(comm.all_reduce_max(torch.tensor([int(not same)]), mon.group).item())
     if resharded:
         saved, problem = _read(state_path(directory, 0))
-        if saved is not None:
+        if saved is not None and saved.get("layout") != layout:
             problem = (f"saved under layout {saved.get('layout')}, resumed under {layout}: "
                        "snapshots resharded, per-rank optimizer-monitor state dropped")
-    legacy = saved is not None and saved.get("format") != _FORMAT
-    if comm.all_reduce_max(torch.tensor([int(legacy)]), mon.group).item():
-        common = saved["mechmon"] if legacy and not resharded else None
-        if legacy and resharded:
-            problem = "saved in the earlier per-rank format under another layout"
-        return mon.load_state_if_all(_checked(mon, common)), problem
+        elif saved is not None:
+            problem = ("some rank's state file is missing or unreadable: rank 0's common state "
+                       "and the sharded snapshots, per-rank optimizer-monitor state dropped")
+    if saved is not None and saved.get("format") != _FORMAT:
+        saved, problem = None, "written by an earlier mechmon version"
     shard_dir = os.path.join(directory, SHARD_DIR)
 
     def load(rows: dict[str, Any]) -> dict[str, Any]:

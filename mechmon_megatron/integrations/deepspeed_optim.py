@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.integrations.deepspeed_zero3 import zero3_probe
+from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, zero3_probe
 from mechmon_megatron.layouts.hf_attention import full_fp32_weight
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
@@ -262,6 +262,8 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     phases = {"read": lambda: None, "exchange": lambda _: (read(), False)}
 
     why = _probe_unavailable(engine, params) if sharpness else None
+    if sharpness and why is None and any(hasattr(p, "ds_id") for p in params):
+        why = zero3_memory_problem(params)
     if why is not None:
         warnings.warn(f"mechmon: optim.sharpness is off on this engine: {why}; reporting "
                       "update ratios only", RuntimeWarning, stacklevel=3)

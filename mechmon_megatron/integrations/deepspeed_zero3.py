@@ -23,8 +23,10 @@ leaves). The displaced weights are rounded to ``ds_tensor``'s dtype, bf16/fp16 u
 precision, so ``sharpness.fd_scale`` must stay well above that dtype's epsilon (a warning says
 so). Memory: one full gradient of the model per rank while a product runs (its DP average is one
 all-reduce; only the partitions are kept); a reduce-scatter per parameter would hold only the
-partition. Not probed (a warning names why): DeepSpeed-MoE experts, ZeRO-3 leaf modules (their
-backward hook reduces gradients), ZeRO++ hpZ and MiCS partition groups, and offload. Written
+partition. Where that does not fit in half the device's free memory at attach, the probe is
+refused (:func:`zero3_memory_problem`, agreed on every rank). Not probed either (a warning names
+why): DeepSpeed-MoE experts, ZeRO-3 leaf modules (their backward hook reduces gradients), ZeRO++
+hpZ and MiCS partition groups, and offload. Written
 against DeepSpeed 0.19.8 (``grad_position``, ``sub_group_to_group_id`` and
 ``fp32_partitioned_groups_flat`` of its stage-3 optimizer).
 """
@@ -40,7 +42,8 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, isolated
 
-__all__ = ["zero3_probe", "zero3_adam", "zero3_gradient", "zero3_weights"]
+__all__ = ["zero3_probe", "zero3_adam", "zero3_gradient", "zero3_weights",
+           "zero3_memory_problem"]
 
 
 def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
@@ -54,6 +57,28 @@ def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
                           group=group,
                           gradient=zero3_gradient(engine, params, loss, trackers, group),
                           weights=lambda: zero3_weights(params, rank))
+
+
+def zero3_memory_problem(params: Sequence[torch.nn.Parameter]) -> str | None:
+    """Why a product would not fit on some rank, agreed over the world (one MAX all-reduce),
+    or None.
+
+    A product holds one full gradient of the model per rank (``autograd.grad``'s outputs in the
+    parameters' dtype plus their fp32 concatenation), which a model sharded by ZeRO-3 may not
+    have room for: the probe is refused when that exceeds half the device's free memory at
+    attach (activations still to come). Host memory (CPU partitions) is not checked.
+    """
+    numel = sum(int(p.ds_numel) for p in params)
+    need = numel * (params[0].ds_tensor.element_size() + 4) if params else 0
+    free = None
+    if params and params[0].ds_tensor.is_cuda:
+        free = torch.cuda.mem_get_info(params[0].ds_tensor.device)[0]
+    short = free is not None and need > free / 2
+    if not comm.all_reduce_max(torch.tensor([int(short)])).item():
+        return None
+    mine = f"{free / 2**30:.1f} GiB free here" if free is not None else "on some rank"
+    return (f"a product holds one full gradient of the model per rank ({need / 2**30:.1f} GiB), "
+            f"more than half the device's free memory ({mine})")
 
 
 def zero3_weights(params: Sequence[torch.nn.Parameter], rank: int) -> list[torch.Tensor]:

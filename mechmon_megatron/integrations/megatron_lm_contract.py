@@ -11,9 +11,9 @@ symbol                              expected
 ``setup_model_and_optimizer``       callable (positional/keyword arguments are passed through;
                                     main puts ``model_type`` first, adds ``cfg_container`` and
                                     ``pg_collection``); returns ``(model, optimizer, scheduler)``
-``train_step``                      a parameter ``iteration``; every ``return`` of a tuple has 8
-                                    items: slots 0 ``loss_dict``, 3 ``should_exit``, 4
-                                    ``exit_code``, 5 ``grad_norm`` are read, slot 4 replaced
+``train_step``                      parameters ``model``, ``iteration``; every ``return`` of a
+                                    tuple has 8 items: slots 0 ``loss_dict``, 3 ``should_exit``,
+                                    4 ``exit_code``, 5 ``grad_norm`` are read, slot 4 replaced
 ``checkpoint_and_decide_exit``      parameters ``model, optimizer, opt_param_scheduler,
                                     iteration, num_floating_point_operations_so_far,
                                     checkpointing_context, train_data_iterator``
@@ -48,7 +48,7 @@ TRAIN_STEP_ARITY = 8
 SIGNAL_MODULE = "megatron.training.dist_signal_handler"
 
 _PARAMS: dict[str, tuple[str, ...]] = {
-    "train_step": ("iteration",),
+    "train_step": ("model", "iteration"),
     "checkpoint_and_decide_exit": ("model", "optimizer", "opt_param_scheduler", "iteration",
                                    "num_floating_point_operations_so_far",
                                    "checkpointing_context", "train_data_iterator"),

@@ -157,9 +157,8 @@ def low_precision_reason(param: torch.nn.Parameter, optimizer: Any = None) -> st
     """Why :func:`local_fp32` can only read a low-precision copy of ``param``, or None."""
     if getattr(param, "main_param_sharded", False) and fp32_sum_group(param, optimizer) is None:
         return ("the precision-aware optimizer keeps the fp32 main params inside its fused state, "
-                "so the bf16 model weights are read; with --overlap-param-gather their "
-                "all-gather may still be running when mechmon reads them after the step (a torn "
-                "read): monitor such runs without --overlap-param-gather")
+                "so the bf16 model weights are read (under --overlap-param-gather the Megatron-LM "
+                "launcher completes their all-gather before each monitored read)")
     if getattr(param, "main_param", None) is None and param.dtype in (torch.float16,
                                                                        torch.bfloat16):
         return (f"the optimizer keeps no fp32 main param for this {param.dtype} weight; the "

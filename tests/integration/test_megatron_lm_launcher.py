@@ -97,6 +97,9 @@ def save_checkpoint_and_time(iteration, model, optimizer, opt_param_scheduler,
 
 def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_context=None):
     model = [model_provider_func()]
+    if ARGS.use_distributed_optimizer:  # the DDP chunk's param all-gather, recorded
+        model[0].start_param_sync = lambda force_sync=False: _log(
+            "param_sync", iteration=ARGS.curr_iteration, force_sync=force_sync)
     kind = torch.optim.Adam if ARGS.optimizer == "adam" else torch.optim.SGD
     optimizer = kind(model[0].parameters(), lr=ARGS.lr)
     ARGS.iteration = 0
@@ -191,6 +194,9 @@ def pretrain(model_provider, forward_step_func, extra_args_provider=None, **kwar
     parser.add_argument("--fault-lr-scale", type=float, default=1.0)
     parser.add_argument("--rerun-exit-at", type=int, default=None)
     parser.add_argument("--rerun-exit-code", type=int, default=16)
+    parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--overlap-param-gather", action="store_true")
+    parser.add_argument("--use-precision-aware-optimizer", action="store_true")
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     ARGS = parser.parse_args()  # strict, like Megatron: an unknown flag is an error
@@ -537,6 +543,30 @@ def test_the_sharpness_probe_replays_the_steps_micro_batch_and_leaves_training_u
                           ({"FT_LAUNCHER_IPC_SOCKET": ""}, 86)])
 def test_the_process_exit_code_is_0_only_under_ft_launcher(environ, expected):
     assert megatron_lm.process_exit_code(86, environ) == expected
+
+
+@pytest.mark.parametrize("flags", [
+    ("--use-distributed-optimizer", "--overlap-param-gather", "--use-precision-aware-optimizer"),
+    ("--use-distributed-optimizer", "--overlap-param-gather"),
+], ids=["bf16_reads", "fp32_main_params"])
+def test_overlapped_param_gather_is_completed_before_reads_of_the_bf16_weights(run, flags):
+    """Precision-aware optimizer + --overlap-param-gather: the monitors read the bf16 model
+    weights, whose all-gather Megatron leaves to the next forward, so the hooks force it (as
+    Megatron does before a save) around every monitored step and on no other step. With fp32
+    main params to read, nothing is forced."""
+    config = run.tmp / "qk.yaml"
+    config.write_text(yaml.safe_dump({
+        "output_dir": str(run.tmp / "mechmon_out"), "qk": {"interval": 4},
+        "router": {"enabled": False}, "optim": {"enabled": False},
+        "actions": {"on_alarm": "log"}, "sinks": {"console": {"enabled": False}}}))
+    code, events, out = run("--train-iters", "12", *flags, config=config)
+    assert code == 0, out
+    syncs = [(kw["iteration"], kw["force_sync"]) for name, kw in events if name == "param_sync"]
+    if "--use-precision-aware-optimizer" in flags:
+        # before the update's reads (begin_step) and after it (end_step) of steps 4, 8, 12
+        assert syncs == [(s - 1, True) for s in (4, 4, 8, 8, 12, 12)]
+    else:
+        assert syncs == []
 
 
 def test_megatrons_rerun_exit_code_passes_through(run):

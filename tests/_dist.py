@@ -23,7 +23,7 @@ __all__ = ["run_distributed"]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, store: str, timeout: float,
-            results: Any, args: tuple) -> None:
+            results: Any, done: Any, args: tuple) -> None:
     import torch
     import torch.distributed as dist
 
@@ -43,6 +43,9 @@ def _worker(fn: Callable, rank: int, world_size: int, store: str, timeout: float
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+        # Tensors in the result travel as file descriptors this process serves: stay alive
+        # until the parent has unpickled every result.
+        done.wait(timeout)
 
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list:
@@ -53,11 +56,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             report within ``timeout`` seconds (their processes are killed).
     """
     ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    results, done = ctx.Queue(), ctx.Event()
     with tempfile.TemporaryDirectory(prefix="mechmon_dist_") as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_worker,
-                             args=(fn, r, world_size, store, timeout, results, args), daemon=False)
+                             args=(fn, r, world_size, store, timeout, results, done, args),
+                             daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()
@@ -74,6 +78,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
                     # short grace period to report their own errors, then stop waiting.
                     timeout = min(timeout, 10.0)
         finally:
+            done.set()
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():

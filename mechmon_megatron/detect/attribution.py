@@ -16,8 +16,9 @@ head numbers are parsed from the signal names (``.../layer_<L>[/head_<H>]``).
 
 Findings count for their signal's family, with one exception: when every ``optim`` finding is on
 the router's weight group (``optim/<stat>/router[/layer_<L>]``) or is a sharpness finding whose
-top eigenvector lives mostly in the router's weights (``locus == "router"``: the sample's
-``optim/sharpness/share/router`` >= 1/2, set by :func:`locate`), they count for ``router``. A
+top eigenvector lives mostly in the router's weights (``locus == "router"``: in that sample the
+router holds the largest ``optim/sharpness/share/<group>`` of all groups, set by
+:func:`locate`), they count for ``router``. A
 learning-rate fault moves every weight group; updates too large, or curvature at the edge of
 stability, in the router's weights alone are a router-local fault, the way a router collapse
 begins.
@@ -96,16 +97,20 @@ def parse_location(signal: str) -> tuple[int | None, int | None]:
     return (int(layer.group(1)) if layer else None, int(head.group(1)) if head else None)
 
 
-ROUTER_SHARE = "optim/sharpness/share/router"
-"""The top eigenvector's share in the router's weights (``monitors/sharpness.py``)."""
+SHARE = "optim/sharpness/share/"
+"""Prefix of the top eigenvector's share in each weight group (``monitors/sharpness.py``)."""
 
 
 def locate(finding: Finding, table: Mapping[str, float]) -> Finding:
-    """``finding`` with ``locus = "router"`` when it is a sharpness finding and the same
-    sample's :data:`ROUTER_SHARE` is at least 1/2 (most of the unstable mode is in the router's
-    weights); unchanged otherwise."""
-    share = table.get(ROUTER_SHARE, math.nan)
-    if finding.signal.startswith("optim/sharpness/") and share >= 0.5:
+    """``finding`` with ``locus = "router"`` when it is a sharpness finding and, in the same
+    sample, the router's weights hold a larger part of the top eigenvector than any other
+    weight group (the unstable mode lives mostly there; the router is ~1% of a model's weights
+    and holds a few percent of the mode in healthy training); unchanged otherwise."""
+    if not finding.signal.startswith("optim/sharpness/"):
+        return finding
+    shares = {k[len(SHARE):]: v for k, v in table.items() if k.startswith(SHARE)}
+    router = shares.pop("router", math.nan)
+    if router > 0.0 and all(router > v for v in shares.values() if math.isfinite(v)):
         return replace(finding, locus="router")
     return finding
 

@@ -59,17 +59,18 @@ def test_the_sharpness_bound_names_the_router_when_its_top_eigenvector_lives_the
     from mechmon_megatron.detect import attribution
 
     eos = _finding("optim/sharpness/eos_ratio", 300, detector="bounds")
-    share = attribution.ROUTER_SHARE
-    router = attribution.locate(eos, {share: 0.9, "optim/sharpness/share/mlp": 0.1})
-    assert router.locus == "router"
+    share, mlp, qkv = (f"{attribution.SHARE}{g}" for g in ("router", "mlp", "qkv"))
+    router = attribution.locate(eos, {share: 0.4, mlp: 0.3, qkv: 0.3})
+    assert router.locus == "router"  # the largest part of the mode
     assert diagnose([router]).fault_class == "router_collapse"
-    for table in ({share: 0.3}, {share: float("nan")}, {}):  # spread, or no estimate
+    for table in ({share: 0.3, mlp: 0.4, qkv: 0.3}, {share: float("nan"), mlp: 1.0},
+                  {share: 0.0}, {}):  # elsewhere, or no estimate
         assert attribution.locate(eos, table).locus is None
         assert diagnose([attribution.locate(eos, table)]).fault_class == "lr"
     # only sharpness findings are located; another group's update ratio keeps it `lr`
-    qkv = _finding("optim/update_ratio/qkv", 300)
-    assert attribution.locate(qkv, {share: 0.9}).locus is None
-    assert diagnose([router, attribution.locate(qkv, {share: 0.9})]).fault_class == "lr"
+    ratio = _finding("optim/update_ratio/qkv", 300)
+    assert attribution.locate(ratio, {share: 0.9}).locus is None
+    assert diagnose([router, attribution.locate(ratio, {share: 0.9})]).fault_class == "lr"
     # through the bank: the same sample's share sets the locus of the bound's finding
     cfg = load_config({"detectors": {"warmup_samples": 3, "attn": {"enabled": False},
                                      "router": {"enabled": False}, "global": {"enabled": False},

@@ -662,7 +662,7 @@ def test_the_contract_accepts_the_loop_the_hooks_were_written_for(tmp_path, monk
     ("old", "new", "named"),
     [
         ("forward_backward_func, iteration=None):", "forward_backward_func, step=None):",
-         "train_step: expected parameters ['iteration'], missing ['iteration']"),
+         "train_step: expected parameters ['model', 'iteration'], missing ['iteration']"),
         ("return {\"lm loss\": loss.detach()}, 0, False, False, 0, grad_norm, None, 0",
          "return {\"lm loss\": loss.detach()}, 0, False, False, 0, grad_norm, None",
          "train_step: expected every return to be a 8-tuple"),

@@ -17,6 +17,11 @@ completed updates, incremented after ``on_train_step_end``)::
     on_train_step_start            begin_step(step + 1)
       train_step                   forward/backward/optimizer step
     on_train_step_end              end_step(step + 1, loss_dict["lm loss"], grad_norm)
+
+With the distributed optimizer, ``ddp.overlap_param_gather`` and the precision-aware optimizer
+the monitors read the bf16 weights, whose all-gather Bridge leaves to the next forward: on a
+monitored step both events first run Megatron's own ``start_param_sync(force_sync=True)`` on
+every chunk (no torn reads; the next forward skips the gather it already finds dispatched).
     train_state.step += 1
     checkpoint_and_decide_exit     saves through save_checkpoint  [wrapped: + mechmon state]
     sys.exit(exit_code)            after should_exit
@@ -50,6 +55,11 @@ from typing import Any
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.integrations.megatron_core import (
+    build_monitors,
+    force_param_sync,
+    needs_param_sync,
+)
 from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
@@ -110,6 +120,7 @@ class MechMonCallback:
         self.mon: MechMon | None = None
         self.actions: BridgeActions | None = None
         self._original_save: Any = None
+        self._sync_params = False
 
     # -- events --------------------------------------------------------------------------------
 
@@ -117,8 +128,6 @@ class MechMonCallback:
         """Attach the monitors, wrap the save, restore state, re-raise a pending alarm."""
         if not self.config.enabled or self.mon is not None:
             return
-        from mechmon_megatron.integrations.megatron_core import build_monitors
-
         state = context.state
         monitors = build_monitors(self.config, list(context.model), context.optimizer)
         logging_rank = comm.world_size() - 1
@@ -128,6 +137,12 @@ class MechMonCallback:
                                 tensorboard_writer=getattr(state, "tensorboard_logger", None),
                                 wandb_run=getattr(state, "wandb_logger", None))
         self.actions = BridgeActions(state)
+        cfg = state.cfg
+        self._sync_params = needs_param_sync(
+            _flag(cfg, "optimizer", "use_distributed_optimizer")
+            or _flag(cfg, "ddp", "use_distributed_optimizer"),
+            _flag(cfg, "ddp", "overlap_param_gather"),
+            _flag(cfg, "optimizer", "use_precision_aware_optimizer"))
         self.mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks,
                                                logging_rank=logging_rank)
         atexit.register(self.mon.close)
@@ -140,14 +155,20 @@ class MechMonCallback:
 
     def on_train_step_start(self, context: Any) -> None:
         """``begin_step`` of the update about to run."""
-        if self.mon is not None:
-            self.mon.begin_step(int(context.state.train_state.step) + 1)
+        if self.mon is None:
+            return
+        step = int(context.state.train_state.step) + 1
+        if self._sync_params and self.mon.is_monitored(step):
+            force_param_sync(context.model)  # the previous update's all-gather, before reads
+        self.mon.begin_step(step)
 
     def on_train_step_end(self, context: Any) -> None:
         """``end_step`` after the optimizer step (Bridge increments its counter afterwards)."""
         if self.mon is None:
             return
         step = int(context.state.train_state.step) + 1
+        if self._sync_params and self.mon.is_monitored(step):
+            force_param_sync(context.model)  # this update's all-gather, before end_step's reads
         self.mon.end_step(step, loss=_loss_of(context.loss_dict), grad_norm=context.grad_norm)
         if self.actions.exit_code is not None:
             self._leave_together()
@@ -208,6 +229,11 @@ class MechMonCallback:
         if writer is not None:
             writer.flush()
         comm.barrier()
+
+
+def _flag(cfg: Any, section: str, name: str) -> bool:
+    """``cfg.<section>.<name>`` of Bridge's ConfigContainer; False where absent."""
+    return bool(getattr(getattr(cfg, section, None), name, False))
 
 
 def _loss_of(loss_dict: Mapping[str, Any] | None) -> Any:

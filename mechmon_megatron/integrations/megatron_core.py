@@ -27,7 +27,7 @@ from mechmon_megatron.layouts.megatron_qkv import (
 )
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 
-__all__ = ["qk_sources", "build_monitors", "attach"]
+__all__ = ["qk_sources", "build_monitors", "attach", "needs_param_sync", "force_param_sync"]
 
 
 def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> list[QKSource]:
@@ -127,3 +127,20 @@ def attach(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any = No
 
     monitors = build_monitors(config, model_chunks, optimizer, probe_loss, has_batch)
     return MechMon(config).attach(monitors, actions=actions, sinks=sinks)
+
+
+def needs_param_sync(distributed_optimizer: bool, overlap_param_gather: bool,
+                     precision_aware: bool) -> bool:
+    """Whether mechmon must synchronise the parameters before its reads: the precision-aware
+    optimizer keeps the fp32 main params in its fused state, so the monitors read the bf16
+    model weights, and overlapped param gathers leave their all-gather to the next forward
+    (after the step only this rank's shard holds the update: a torn read)."""
+    return bool(distributed_optimizer and overlap_param_gather and precision_aware)
+
+
+def force_param_sync(model: Any) -> None:
+    """Megatron's own ``start_param_sync(force_sync=True)`` on every DDP chunk (what it does
+    before a checkpoint save): the all-gather runs now, synchronously, and the next forward's
+    pre-hook skips it (already dispatched). Collective over the DP group; values unchanged."""
+    for chunk in model if isinstance(model, list) else [model]:
+        chunk.start_param_sync(force_sync=True)

@@ -79,6 +79,11 @@ from mechmon_megatron import comm
 from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
 from mechmon_megatron.config import MechMonConfig, load_config
 from mechmon_megatron.detect.schedule import resolve_schedule
+from mechmon_megatron.integrations.megatron_core import (
+    build_monitors,
+    force_param_sync,
+    needs_param_sync,
+)
 from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
 from mechmon_megatron.integrations.megatron_lm_probe import StepBatch
 from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
@@ -339,13 +344,14 @@ class MegatronLMHooks:
             return result
         self.config = resolve_schedule(self.config, _warmup_iterations(scheduler, margs),
                                        _adam_beta2(margs))
-        from mechmon_megatron.integrations.megatron_core import build_monitors
-
         chunks = model if isinstance(model, list) else [model]
         monitors = build_monitors(self.config, chunks, optimizer,
                                   probe_loss=self.batch.probe_loss, has_batch=self.batch.has_batch)
         self.record_batch = any(getattr(m, "estimator", None) is not None for m in monitors)
-        self.sync_params = needs_param_sync(margs)
+        self.sync_params = needs_param_sync(
+            getattr(margs, "use_distributed_optimizer", False),
+            getattr(margs, "overlap_param_gather", False),
+            getattr(margs, "use_precision_aware_optimizer", False))
         logging_rank = comm.world_size() - 1
         sinks = None
         if comm.global_rank() == logging_rank:
@@ -418,14 +424,14 @@ class MegatronLMHooks:
                 bound.arguments["forward_step_func"])
         synced = self.sync_params and self.mon.is_monitored(step)
         if synced:  # the previous update's all-gather, before begin_step's reads
-            _force_param_sync(bound.arguments["model"])
+            force_param_sync(bound.arguments["model"])
         self.mon.begin_step(step)
         out = tuple(original(*bound.args, **bound.kwargs))
         loss_dict, _, _, should_exit, _, grad_norm = out[:6]
         if should_exit:  # the rerun state machine stopped before the update: nothing to monitor
             return out
         if synced:  # this update's all-gather, before end_step's reads
-            _force_param_sync(bound.arguments["model"])
+            force_param_sync(bound.arguments["model"])
         self.mon.end_step(step, loss=_loss_of(loss_dict), grad_norm=grad_norm)
         code = self.actions.exit_code
         if code is None:
@@ -499,24 +505,6 @@ class MegatronLMHooks:
                "would make it restart the workers)" if code != self.actions.exit_code else "")
         print(f"mechmon: alarm {ident}: exiting with code {code}{why} {when}; "
               f"alarm report {where}", file=sys.stderr, flush=True)
-
-
-def needs_param_sync(margs: Any) -> bool:
-    """Whether mechmon must synchronise the parameters before its reads: the precision-aware
-    optimizer keeps the fp32 main params in its fused state, so the monitors read the bf16
-    model weights, and ``--overlap-param-gather`` leaves their all-gather to the next forward
-    (after the step, only this rank's shard holds the update: a torn read)."""
-    return bool(getattr(margs, "use_distributed_optimizer", False)
-                and getattr(margs, "overlap_param_gather", False)
-                and getattr(margs, "use_precision_aware_optimizer", False))
-
-
-def _force_param_sync(model: Any) -> None:
-    """Megatron's own ``start_param_sync(force_sync=True)`` on every DDP chunk (what it does
-    before a checkpoint save): the all-gather runs now, synchronously, and the next forward's
-    pre-hook skips it (already dispatched). Collective over the DP group; values unchanged."""
-    for chunk in model if isinstance(model, list) else [model]:
-        chunk.start_param_sync(force_sync=True)
 
 
 def _loss_of(loss_dict: Mapping[str, Any] | None) -> Any:

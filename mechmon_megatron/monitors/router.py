@@ -253,7 +253,8 @@ class RouterMonitor:
         """Reduce the step's sums over the router group and return this rank's signals.
 
         On a monitored step every rank with routers issues exactly one SUM and one MAX
-        all-reduce on the router group, whatever it recorded.
+        all-reduce on the router group, whatever it recorded, and reads the results, with the
+        router-weight table, in one device-to-host transfer.
         """
         for capture in self.captures:
             capture.armed = False
@@ -262,15 +263,25 @@ class RouterMonitor:
         sum_flat, max_flat = self._pack()
         sum_flat = comm.all_reduce_sum(sum_flat, self.group)
         max_flat = comm.all_reduce_max(max_flat, self.group)
+        try:
+            weights = self._weight_table()
+        except Exception as exc:  # noqa: BLE001 - never raise inside a training step
+            self._error("weight statistics", exc)
+            weights = None
+        # The one device-to-host transfer of the step: reduced sums, maxima, weight table.
+        parts = [sum_flat, max_flat] + ([weights[-1].reshape(-1)] if weights else [])
+        host = torch.cat([p.to(sum_flat.device, torch.float64) for p in parts]).tolist()
+        n_sum, n_max = sum_flat.numel(), max_flat.numel()
         out: dict[str, float] = {}
         try:
-            out.update(self._token_signals(sum_flat, max_flat))
-        except Exception as exc:  # noqa: BLE001 - never raise inside a training step
-            self._error("token statistics", exc)
-        try:
-            out.update(self._weight_signals())
+            out.update(self._token_signals(host[:n_sum], host[n_sum:n_sum + n_max]))
         except Exception as exc:  # noqa: BLE001
-            self._error("weight statistics", exc)
+            self._error("token statistics", exc)
+        if weights is not None:
+            try:
+                out.update(self._weight_signals(weights, host[n_sum + n_max:]))
+            except Exception as exc:  # noqa: BLE001
+                self._error("weight statistics", exc)
         self._observed = sum(c.calls > 0 for c in self.captures)
         self._skipped = sum(c.skipped for c in self.captures)
         for capture in self.captures:
@@ -337,10 +348,9 @@ class RouterMonitor:
             self._error(f"capture {source.name}", exc)
             return None
 
-    def _token_signals(self, sum_flat: torch.Tensor, max_flat: torch.Tensor) -> dict[str, float]:
-        """Routing statistics of every layer from the reduced sums (one host transfer); a layer
+    def _token_signals(self, sums: list[float], maxima: list[float]) -> dict[str, float]:
+        """Routing statistics of every layer from the reduced sums (host copies); a layer
         voided on any rank of the group is omitted (not observed)."""
-        sums, maxima = sum_flat.tolist(), max_flat.tolist()
         out, offset = {}, 0
         for i, (source, size) in enumerate(zip(self.sources, self._sizes, strict=True)):
             lse_max, void = maxima[2 * i], maxima[2 * i + 1]
@@ -351,16 +361,17 @@ class RouterMonitor:
             offset += size
         return out
 
-    def _weight_signals(self) -> dict[str, float]:
-        """Router-weight geometry and expert-bias norms (replicated over the group: no reduction).
+    def _weight_table(self) -> tuple[list, list[str], list[bool], torch.Tensor] | None:
+        """``(sources, keys, has bias, [L, K] table on the device)`` of the router-weight
+        geometry and expert-bias norms of the layers this DP rank computes (replicated over the
+        group: no reduction); None when it computes none.
 
         Routers of equal shape are stacked and measured together, at most ``_STACK_BYTES`` of
-        float64 weights at a time (a DeepSeek-V3-sized router, 256 x 7168, is 14.7 MB); one host
-        transfer for all layers.
+        float64 weights at a time (a DeepSeek-V3-sized router, 256 x 7168, is 14.7 MB).
         """
         sources = [s for s in self.sources if (s.layer - 1) % self.dp_size == self.dp_rank]
         if not sources:
-            return {}
+            return None
         weights = [s.read_weight() for s in sources]
         rows_LK: list[torch.Tensor] = []
         start = 0
@@ -388,10 +399,16 @@ class RouterMonitor:
                        for b in biases]
             table_LK = torch.cat([table_LK, torch.stack(norms_L).unsqueeze(1)], dim=1)
             keys.append(BIAS_STAT)
-        out = {}
-        for i, (source, values) in enumerate(zip(sources, table_LK.tolist(), strict=True)):
+        return sources, keys, biased, table_LK
+
+    def _weight_signals(self, weights: tuple, values: list[float]) -> dict[str, float]:
+        """Signals of :meth:`_weight_table` from the host copy of its table (row-major)."""
+        sources, keys, biased, _ = weights
+        out, width = {}, len(keys)
+        for i, source in enumerate(sources):
+            row = values[i * width : (i + 1) * width]
             out.update({f"router/{k}/layer_{source.layer}": v
-                        for k, v in zip(keys, values, strict=True)
+                        for k, v in zip(keys, row, strict=True)
                         if k != BIAS_STAT or biased[i]})  # a router without bias: not observed
         return out
 

@@ -1,12 +1,12 @@
 """Counters: what mechmon does on unmonitored and on monitored steps.
 
-Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT with the QK, optim and
-(global) loss monitors. During every ``MechMon.begin_step`` / ``end_step`` the test counts calls
+Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT (MoE, 4 experts) with
+the QK, router, optim and (global) loss monitors. During every ``MechMon.begin_step`` / ``end_step`` the test counts calls
 into ``comm`` and ``torch.distributed`` (collectives) and tensor-to-host conversions (``item``,
 ``tolist``, ``cpu``, ``float``/``int``/``bool`` of a tensor, ``numpy``). On unmonitored steps
 both must be zero; on monitored steps the counts per monitor are bounded (one transfer for the
 per-head table of each layer this rank computes, three per term of the layer sketch, one for
-the update ratios) and printed.
+the update ratios, one for the router) and printed.
 """
 
 from __future__ import annotations
@@ -89,14 +89,14 @@ def _worker(rank: int, world_size: int, out_dir: str) -> dict:
     trainer.run({
         "out_dir": out_dir, "steps": STEPS, "log_interval": 0,
         "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
-                  "seq_length": 16},
+                  "seq_length": 16, "num_moe_experts": 4},
         "optim": {"warmup_steps": 0, "schedule": "constant"},
         "data": {"global_batch_size": 4, "max_bytes": 200_000},
         "checkpoint": {"save_at_end": False},
         "mechmon": {"qk": {"interval": INTERVAL, "warmup_steps": 0},
                     "optim": {"interval": INTERVAL, "warmup_steps": 0,
                               "sharpness": {"enabled": False}},
-                    "router": {"enabled": False}, "actions": {"on_alarm": "log"},
+                    "router": {"interval": INTERVAL}, "actions": {"on_alarm": "log"},
                     "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}},
     })
     return {"host": counts["host"], "comm": counts["comm"]}
@@ -120,6 +120,9 @@ def test_monitored_steps_make_a_bounded_number_of_transfers_per_monitor(counts):
         steps = range(INTERVAL, STEPS + 1, INTERVAL)
         # The optim monitor's update ratios over the step (``window: step``): one transfer.
         assert [rank["host"].get(f"{s}:monitor:optim", 0) for s in steps] == [1, 1, 1]
+        # The router: its reduced routing sums and maxima and the router-weight table of the
+        # layer this DP rank computes, one transfer.
+        assert [rank["host"].get(f"{s}:monitor:router", 0) for s in steps] == [1, 1, 1]
         # QK: each rank computes one of the two layers (DP split); the first step only
         # snapshots. Then (measured 20 conversions): the per-head table and the form signals
         # (one transfer each, plus reads of the host-side head index), the sketch inputs (one)

@@ -129,11 +129,14 @@ class CurvatureProbe:
     weights: Callable[[], list[torch.Tensor]] | None = None
 
     def dot(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> float:
-        """Global inner product over owned elements (one scalar SUM all-reduce)."""
-        acc = torch.zeros(1, dtype=torch.float64)
+        """Global inner product over owned elements: summed on the vectors' device, one scalar
+        SUM all-reduce, one device-to-host transfer."""
+        acc = None
         for own, a, b in zip(self.owned, u, v, strict=True):
-            if own:
-                acc += torch.dot(a.reshape(-1).double(), b.reshape(-1).double()).cpu()
+            if own:  # summed in order, on the device (no transfer per parameter)
+                part = torch.dot(a.reshape(-1).double(), b.reshape(-1).double()).reshape(1)
+                acc = part if acc is None else acc + part.to(acc.device)
+        acc = torch.zeros(1, dtype=torch.float64) if acc is None else acc
         return float(comm.all_reduce_sum(acc, self.group).item())
 
 
@@ -223,14 +226,16 @@ class SharpnessEstimator:
         norm in each weight group (``layouts.param_groups.GROUPS``): where the mode at the edge
         of stability lives. One SUM all-reduce of a ``len(GROUPS)`` vector over owned elements;
         NaN when the vector is zero or not finite."""
-        acc = torch.zeros(len(GROUPS), dtype=torch.float64)
-        for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True):
-            if own:
-                acc[g] += v.double().pow(2).sum().cpu()
+        owned = [(g, v) for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True)
+                 if own]
+        device = owned[0][1].device if owned else torch.device("cpu")
+        acc = torch.zeros(len(GROUPS), dtype=torch.float64, device=device)
+        for g, v in owned:  # on the device: one transfer after the all-reduce
+            acc[g] += v.double().pow(2).sum().to(device)
         acc = comm.all_reduce_sum(acc, self.probe.group)
-        total = float(acc.sum())
+        *acc, total = torch.cat([acc, acc.sum().reshape(1)]).tolist()
         ok = math.isfinite(total) and total > 0.0
-        return {f"optim/sharpness/share/{g}": float(acc[i]) / total if ok else math.nan
+        return {f"optim/sharpness/share/{g}": acc[i] / total if ok else math.nan
                 for i, g in enumerate(GROUPS)}
 
     def memory_bytes(self) -> int:

@@ -61,7 +61,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SketchResult", "subspace_iteration", "tail_entropy"]
+__all__ = ["SketchResult", "SketchShape", "subspace_iteration", "sketch_device", "sketch_result",
+           "tail_entropy"]
 
 MatMat = Callable[[torch.Tensor], torch.Tensor]
 
@@ -89,6 +90,22 @@ class SketchResult:
     entropy_lo: float
     entropy_hi: float
     stable_rank: float
+
+
+@dataclass(frozen=True)
+class SketchShape:
+    """What :func:`sketch_result` needs besides the device values: ``rank`` values returned,
+    sketch ``width`` L, ``rank_bound`` n, and whether ``|M|_F^2`` was given exactly."""
+
+    rank: int
+    width: int
+    rank_bound: int
+    fro2_exact: bool
+
+    @property
+    def size(self) -> int:
+        """Length of :func:`sketch_device`'s packed tensor."""
+        return min(self.rank, self.width) + 9
 
 
 def _orth(x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +171,29 @@ def subspace_iteration(
     rank_bound: int | None = None,
     device: torch.device | str = "cpu",
 ) -> SketchResult:
-    """Top-k singular values, ``|M|_F^2`` and spectral entropy of an implicit operator.
+    """:func:`sketch_device` and :func:`sketch_result` with the one transfer between them."""
+    packed, shape = sketch_device(matmat, rmatmat, n_in, n_out, generator, rank, oversample,
+                                  power_iters, probes, blocks, fro2, rank_bound, device)
+    return sketch_result(packed.tolist(), shape)
+
+
+def sketch_device(
+    matmat: MatMat,
+    rmatmat: MatMat,
+    n_in: int,
+    n_out: int,
+    generator: torch.Generator,
+    rank: int = 16,
+    oversample: int = 10,
+    power_iters: int = 2,
+    probes: int = 24,
+    blocks: int = 3,
+    fro2: float | torch.Tensor | None = None,
+    rank_bound: int | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, SketchShape]:
+    """Top-k singular values, ``|M|_F^2`` and spectral entropy of an implicit operator, left
+    on the device: ``(packed values, shape)`` for :func:`sketch_result` (no host transfer).
 
     ``2 q + 2 blocks`` operator calls (10 at the defaults), each on ``L`` or ``L + S`` columns.
 
@@ -169,13 +208,12 @@ def subspace_iteration(
         probes: ``S``, tail probes (0: no tail estimate; the entropy is then ``H_hi`` and the
             tail mass needs ``fro2``).
         blocks: block-Lanczos steps of the tail quadrature (>= 1).
-        fro2: exact ``|M|_F^2`` when the caller knows it.
+        fro2: exact ``|M|_F^2`` when the caller knows it (a float or a device scalar).
         rank_bound: bound on ``rank(M)`` (default ``min(n_in, n_out)``).
         device: where the iteration runs (the operator's device).
 
     Returns:
-        :class:`SketchResult`; all-NaN floats when the operator returned non-finite values,
-        ``fro2 = 0`` and NaN entropy / stable rank for a zero operator.
+        ``[min(rank, L) + 9]`` float64 on ``device`` and its :class:`SketchShape`.
     """
     width = min(rank + oversample, n_in, n_out)
     n = min(rank_bound or min(n_in, n_out), n_in, n_out)
@@ -219,31 +257,41 @@ def subspace_iteration(
     w_sum = weight_W.sum()
     tail_est = (n_in - width) / max(n_probe, 1) * w_sum
     head = (sigma_L**2).sum()
-    total = head + tail_est if fro2 is None else torch.full_like(head, float(fro2))
+    total = head + tail_est if fro2 is None else torch.as_tensor(fro2).to(head).reshape(())
     p_L = (sigma_L**2 / total).clamp_min(0.0)
     log_p_W = (theta_W.clamp_min(1e-300) / total).log()
     positive = p_L > 0
     h_head = -torch.where(positive, p_L * p_L.clamp_min(1e-300).log(), 0.0).sum()
     p_last = torch.where(positive, p_L, math.inf).min()
-    # The one device-to-host transfer: the spectrum and the scalars the tail entropy needs.
+    # The spectrum and the scalars the tail entropy needs, for one device-to-host transfer.
     stats = torch.stack([total, head, tail_est, p_L.sum(), (weight_W * log_p_W).sum() / w_sum,
                          h_head, p_last, bad[0].to(torch.float64), sigma_L[0]])
-    host = torch.cat([sigma_L[:rank], stats]).tolist()
+    return (torch.cat([sigma_L[:rank], stats]),
+            SketchShape(rank, width, n, fro2 is not None))
+
+
+def sketch_result(host: list[float], shape: SketchShape) -> SketchResult:
+    """The :class:`SketchResult` of :func:`sketch_device`'s values, copied to the host.
+
+    All-NaN floats when the operator returned non-finite values, ``fro2 = 0`` and NaN
+    entropy / stable rank for a zero operator.
+    """
+    rank, width, n, fro2_exact = shape.rank, shape.width, shape.rank_bound, shape.fro2_exact
     sigma_K = torch.tensor(host[:-9], dtype=torch.float64)
     total, head, tail, p_sum, mean_log_p, h_head, p_last, flag, sigma_1 = host[-9:]
     nan = math.nan
     if flag > 0 or not math.isfinite(total):
         sigma = torch.full((min(rank, width),), nan, dtype=torch.float64)
-        return SketchResult(sigma, nan, fro2 is not None, nan, nan, nan, nan, nan)
+        return SketchResult(sigma, nan, fro2_exact, nan, nan, nan, nan, nan)
     if total <= 0.0 or head <= 0.0:
-        return SketchResult(sigma_K, max(total, 0.0), fro2 is not None, nan, nan, nan, nan, nan)
+        return SketchResult(sigma_K, max(total, 0.0), fro2_exact, nan, nan, nan, nan, nan)
     mass = max(1.0 - p_sum, 0.0)
     est, lo, hi = _tail_entropy(h_head, p_last if math.isfinite(p_last) else mass, mass,
                                 mean_log_p if tail > 0 else nan, n - width)
     return SketchResult(
         sigma_K=sigma_K,
         fro2=total,
-        fro2_exact=fro2 is not None,
+        fro2_exact=fro2_exact,
         tail_mass=mass,
         entropy=est,
         entropy_lo=lo,

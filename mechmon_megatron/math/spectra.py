@@ -133,17 +133,21 @@ def _balance(
     return ga, gb
 
 
-def _psd_factor(gram_HRR: torch.Tensor) -> torch.Tensor:
-    """``L_HRR`` with ``L L^T = G``: Cholesky, eigh-based square root where Cholesky fails."""
-    chol_HRR, info_H = torch.linalg.cholesky_ex(gram_HRR)
-    bad_H = info_H != 0
-    if bool(bad_H.any()):
-        evals_HR, evecs_HRR = torch.linalg.eigh(gram_HRR[bad_H])
-        tol_H1 = evals_HR.amax(-1, keepdim=True).clamp_min(0.0) * (gram_HRR.shape[-1] * _EPS64)
-        root_HR = torch.where(evals_HR > tol_H1, evals_HR, 0.0).sqrt()
-        chol_HRR = chol_HRR.clone()
-        chol_HRR[bad_H] = evecs_HRR * root_HR.unsqueeze(-2)
-    return chol_HRR
+def _psd_factor(gram_HRR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(L_HRR, ok_H)``: ``L`` with ``L L^T = G + delta I``, ``delta = R eps tr(G)``: Cholesky made total for a
+    singular PSD Gram (a zero column pair) without a host-side branch. The shift moves each
+    ``sigma^2`` of ``A B^T`` by at most ``delta |G_B|_2 <= R eps tr(G_A) tr(G_B)``, the noise
+    floor below which :func:`lowrank_sigma2_from_grams` reports 0. A head whose shifted Gram
+    still fails (not PSD beyond rounding) gets ``ok = False`` and a zero factor."""
+    r = gram_HRR.shape[-1]
+    trace_H = gram_HRR.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0.0)
+    eye_RR = torch.eye(r, dtype=gram_HRR.dtype, device=gram_HRR.device)
+    shifted = gram_HRR + (r * _EPS64 * trace_H)[:, None, None] * eye_RR
+    chol_HRR, info_H = torch.linalg.cholesky_ex(shifted)
+    zero_H = trace_H == 0  # G = 0: the factor is 0 (Cholesky of the zero matrix fails)
+    chol_HRR = torch.where(zero_H[:, None, None], 0.0, chol_HRR)
+    ok_H = (info_H == 0) | zero_H
+    return torch.where(ok_H[:, None, None], chol_HRR, 0.0), ok_H
 
 
 def lowrank_sigma2_from_grams(gram_a_HRR: torch.Tensor, gram_b_HRR: torch.Tensor) -> torch.Tensor:
@@ -165,7 +169,8 @@ def lowrank_sigma2_from_grams(gram_a_HRR: torch.Tensor, gram_b_HRR: torch.Tensor
     ga = torch.where(finite_H[:, None, None], ga, 0.0)
     gb = torch.where(finite_H[:, None, None], gb, 0.0)
     ga, gb = _balance(ga, gb)
-    chol_HRR = _psd_factor(ga)
+    chol_HRR, ok_H = _psd_factor(ga)
+    finite_H = finite_H & ok_H
     core_HRR = chol_HRR.mT @ gb @ chol_HRR
     core_HRR = 0.5 * (core_HRR + core_HRR.mT)
     sigma2_HR = torch.linalg.eigvalsh(core_HRR).flip(-1)

@@ -136,43 +136,52 @@ def all_gather_cat(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> t
     return torch.cat(parts, dim=dim).to(tensor.device)
 
 
-def _flagged(local: torch.Tensor | None, shape: tuple[int, ...], void: bool,
+def _flagged(local: torch.Tensor | None, shape: tuple[int, ...], void: bool | torch.Tensor,
              dtype: torch.dtype) -> torch.Tensor:
-    """``[numel + 1]``: the flattened local part and a last element 1 when void (zeros then)."""
+    """``[numel + 1]``: the flattened local part and a last element 1 when void (zeros then).
+    ``void`` may be a device flag (a deferred void of an earlier exchange): it is copied into
+    the last element without a host read (the data then travel as they are)."""
     numel = math.prod(shape)
-    void = void or local is None or local.numel() != numel
-    device = torch.device("cpu") if void else local.device
+    known = not isinstance(void, torch.Tensor) and bool(void)
+    known = known or local is None or local.numel() != numel
+    device = torch.device("cpu") if known else local.device
     flat = torch.zeros(numel + 1, dtype=dtype, device=device)
-    if void:
+    if known:
         flat[-1] = 1.0
-    else:
-        flat[:-1] = local.detach().reshape(-1)
+        return flat
+    flat[:-1] = local.detach().reshape(-1)
+    if isinstance(void, torch.Tensor):
+        flat[-1:] = void.reshape(1).to(device, dtype)
     return flat
 
 
 def sum_or_void(local: torch.Tensor | None, shape: tuple[int, ...], group: Group = None,
-                void: bool = False, dtype: torch.dtype = torch.float32
-                ) -> tuple[torch.Tensor, bool]:
+                void: bool | torch.Tensor = False, dtype: torch.dtype = torch.float32,
+                defer: bool = False) -> tuple[torch.Tensor, bool | torch.Tensor]:
     """The collective phase of a sharded read: a SUM all-reduce every rank issues with shape
     ``shape``, whatever its local phase did.
 
     A rank whose local phase failed (``local`` None, of another size, or ``void``) sends zeros
     and a void flag in the same call (one extra element). Returns ``(sum [shape], void)`` with
-    ``void`` true on every rank when it was set on any.
+    ``void`` true on every rank when it was set on any: a bool (one host read), or with
+    ``defer`` a ``[1]`` bool tensor on the result's device (no host read; the sum is then
+    meaningless where it is true).
     """
     out = all_reduce_sum(_flagged(local, tuple(shape), void, dtype), group)
-    return out[:-1].view(tuple(shape)), bool(out[-1].item() > 0)
+    flag = out[-1:] > 0
+    return out[:-1].view(tuple(shape)), flag if defer else bool(flag.item())
 
 
 def gather_or_void(local: torch.Tensor | None, shape: tuple[int, ...], group: Group = None,
-                   void: bool = False, dtype: torch.dtype = torch.float32
-                   ) -> tuple[torch.Tensor, bool]:
+                   void: bool | torch.Tensor = False, dtype: torch.dtype = torch.float32,
+                   defer: bool = False) -> tuple[torch.Tensor, bool | torch.Tensor]:
     """:func:`all_gather_cat` along dim 0 with the void flag of :func:`sum_or_void`: returns
-    ``(cat [n * shape[0], *shape[1:]], void on any rank)``."""
+    ``(cat [n * shape[0], *shape[1:]], void on any rank)`` (``defer`` as there)."""
     shape = tuple(shape)
     parts = all_gather_cat(_flagged(local, shape, void, dtype).unsqueeze(0), group)
     data = parts[:, :-1].reshape((parts.shape[0] * shape[0],) + shape[1:])
-    return data, bool((parts[:, -1] > 0).any().item())
+    flag = (parts[:, -1] > 0).any().reshape(1)
+    return data, flag if defer else bool(flag.item())
 
 
 def all_gather_object(obj: Any, group: Group = None) -> list[Any]:

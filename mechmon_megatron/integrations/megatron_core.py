@@ -57,7 +57,8 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
             head_index=layout["head_index"], group_index=layout["group_index"], read=read,
             sketch_group=tp_group, num_groups=layout["num_groups"], exchange=exchange,
             finish=finish,
-            dp_exchange=fp32_sum_group(attn.linear_qkv.weight, optimizer) is not None))
+            dp_exchange=fp32_sum_group(attn.linear_qkv.weight, optimizer) is not None,
+            dims=(int(layout["head_dim"]), int(attn.linear_qkv.weight.shape[-1]))))
     return sources
 
 

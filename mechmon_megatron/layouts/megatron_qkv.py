@@ -264,18 +264,19 @@ def qk_read_phases(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int
                               Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
     """:func:`read_qk_rows` with :func:`fp32_weight` as the three phases of ``QKSource``:
     ``read`` (local fp32 part, may fail), ``exchange`` (DP sum of sharded main params, then TP
-    gather when ng < tp: fixed shapes, a failed local phase travels as the void flag) and
+    gather when ng < tp: fixed shapes, a failed local phase travels as the void flag, left on
+    the device for the monitor's one transfer) and
     ``finish`` (:func:`qk_rows`)."""
     param = attn.linear_qkv.weight
     shape = tuple(param.shape)
     dp_group = fp32_sum_group(param, optimizer)
 
-    def exchange(local: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+    def exchange(local: torch.Tensor | None) -> tuple[torch.Tensor, bool | torch.Tensor]:
         weight, void = local, local is None
         if dp_group is not None:
-            weight, void = comm.sum_or_void(weight, shape, dp_group, void)
+            weight, void = comm.sum_or_void(weight, shape, dp_group, void, defer=True)
         if layout["gathered"]:
-            weight, void = comm.gather_or_void(weight, shape, tp_group, void)
+            weight, void = comm.gather_or_void(weight, shape, tp_group, void, defer=True)
         return (weight if weight is not None else torch.zeros(shape)), void
 
     return (partial(local_fp32, param, optimizer), exchange,

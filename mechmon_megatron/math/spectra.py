@@ -134,11 +134,14 @@ def _balance(
 
 
 def _psd_factor(gram_HRR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L_HRR, ok_H)``: ``L`` with ``L L^T = G + delta I``, ``delta = R eps tr(G)``: Cholesky made total for a
-    singular PSD Gram (a zero column pair) without a host-side branch. The shift moves each
-    ``sigma^2`` of ``A B^T`` by at most ``delta |G_B|_2 <= R eps tr(G_A) tr(G_B)``, the noise
-    floor below which :func:`lowrank_sigma2_from_grams` reports 0. A head whose shifted Gram
-    still fails (not PSD beyond rounding) gets ``ok = False`` and a zero factor."""
+    """``(L_HRR, ok_H)`` with ``L L^T = G + delta I``, ``delta = R eps tr(G)``.
+
+    A Cholesky made total for a singular PSD Gram (a zero column pair) without a host-side
+    branch. The shift moves each ``sigma^2`` of ``A B^T`` by at most
+    ``delta |G_B|_2 <= R eps tr(G_A) tr(G_B)``, the noise floor below which
+    :func:`lowrank_sigma2_from_grams` reports 0. A head whose shifted Gram still fails (not PSD
+    beyond rounding) gets ``ok = False`` and a zero factor.
+    """
     r = gram_HRR.shape[-1]
     trace_H = gram_HRR.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0.0)
     eye_RR = torch.eye(r, dtype=gram_HRR.dtype, device=gram_HRR.device)

@@ -41,6 +41,9 @@ class QKSource:
         finish: ``payload -> (wq_HKD, wk_GKD)`` after ``exchange`` (no collective).
         dp_exchange: ``exchange`` runs collectives over the data-parallel group (sharded fp32
             main params), so every DP rank joins it, also those that do not own the layer.
+        dims: ``(d_head, d_model)`` of the rows; the layer sketch's collectives are shaped from
+            them on a rank whose read failed, so they are required when ``sketch_group`` holds
+            more than one rank (checked by the monitor).
     """
 
     layer: int
@@ -54,26 +57,36 @@ class QKSource:
     exchange: Callable[[Any], tuple[Any, bool]] | None = None
     finish: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
     dp_exchange: bool = False
+    dims: tuple[int, int] | None = None
 
-    def rows(self, on_error: Callable[[str, BaseException], None]
-             ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The three phases of the read: None when any rank's local phase failed (on every
-        rank) or this rank's ``finish`` failed; local errors go to ``on_error(where, exc)``."""
+    def read_rows(self, on_error: Callable[[str, BaseException], None]
+                  ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, bool | torch.Tensor]:
+        """The three phases of the read: ``(rows, void)``. ``rows`` is None when this rank's
+        local phase failed (without an exchange) or its ``finish`` failed, or when the exchange
+        reported a void known on every rank; ``void`` is that bool, or the exchange's deferred
+        device flag (true on every rank when any rank's local phase failed: the rows are then
+        meaningless). Local errors go to ``on_error(where, exc)``."""
         payload = None
         try:
             payload = self.read()
         except Exception as exc:  # noqa: BLE001 - becomes the void flag of the exchange
             on_error("read", exc)
         if self.exchange is None:
-            return payload
+            return payload, False
         payload, void = self.exchange(payload)
-        if void:
-            return None
+        if not isinstance(void, torch.Tensor) and void:
+            return None, True
         try:
-            return payload if self.finish is None else self.finish(payload)
+            return (payload if self.finish is None else self.finish(payload)), void
         except Exception as exc:  # noqa: BLE001
             on_error("read (finish)", exc)
-            return None
+            return None, void
+
+    def rows(self, on_error: Callable[[str, BaseException], None]
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`read_rows` with the void read on the host: None when void on any rank."""
+        rows, void = self.read_rows(on_error)
+        return None if bool(void) else rows
 
     def global_groups(self, local_groups: int) -> int:
         """Global kv groups: ``num_groups``, or ``num_heads * G_loc / H_loc`` when unset."""

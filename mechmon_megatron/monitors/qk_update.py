@@ -41,13 +41,14 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
+from mechmon_megatron.math.sketch import sketch_result
 from mechmon_megatron.math.spectra import (
     METRICS,
     qk_grams,
@@ -138,7 +139,16 @@ class QKUpdateMonitor:
         self.extra = ([("coherence", "cos")] if getattr(config, "coherence", False) else []) + (
             [("qk", "sigma1")] if getattr(config, "form_sigma1", False) else [])
         self.snapshots: dict[int, dict[str, Any]] = {}
-        self._older: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._heads = {s.layer: s.head_index.tolist() for s in self.sources}
+        self._groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for source in self.sources:
+            if self.layer_terms and source.dims is None and comm.world_size(
+                    source.sketch_group) > 1:
+                raise ValueError(f"QKSource {source.name}: dims (d_head, d_model) are required "
+                                 "when its sketch group holds more than one rank")
+            if self.layer_terms:
+                local = int(source.group_index.max()) + 1 if source.group_index.numel() else 1
+                self._groups[source.layer] = qk_sketch.group_weights(source, local)
         self.errors = 0
         self._observed = 0
         self._skipped = 0
@@ -169,16 +179,34 @@ class QKUpdateMonitor:
         """Nothing to arm: the monitor reads weights after the optimizer step."""
 
     def end_step(self, step: int) -> dict[str, float]:
-        """On a monitored step, read every source and return this rank's signals."""
+        """On a monitored step, read every source and return this rank's signals; every value
+        reaches the host in one transfer after the last layer's collectives."""
         if step % self.interval != 0 or step < int(self.config.warmup_steps):
             return {}
         self._observed = self._skipped = 0
-        out: dict[str, float] = {}
+        pending: list[tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]] = []
         for source in self.sources:
             if self.owns(source.layer):
-                out.update(self._observe(source, step))
-            elif source.dp_exchange:
-                source.rows(lambda where, exc, s=source: self._error(s, where, exc))
+                pending.append(self._observe(source, step))
+            elif source.dp_exchange:  # joins the DP exchange; its void flag is the owner's
+                source.read_rows(lambda where, exc, s=source: self._error(s, where, exc))
+        parts = [t.reshape(-1) for tensors, _ in pending for t in tensors]
+        host: list[float] | None = []
+        if parts:
+            try:  # the one device-to-host transfer of the step
+                device = parts[0].device
+                host = torch.cat([t.to(device, torch.float64) for t in parts]).tolist()
+            except Exception as exc:  # noqa: BLE001 - after every collective: void all layers
+                self.errors += 1
+                self._warn_once(f"transfer:{type(exc).__name__}", f"reading the signals "
+                                f"failed ({exc!r}); no QK signal this step")
+                host = None
+        out: dict[str, float] = {}
+        offset = 0
+        for tensors, decode in pending:
+            size = sum(t.numel() for t in tensors)
+            out.update(decode(None if host is None else host[offset:offset + size]))
+            offset += size
         return out
 
     def owns(self, layer: int) -> bool:
@@ -285,33 +313,69 @@ class QKUpdateMonitor:
         self._warn_once(f"error:{where}:{type(exc).__name__}",
                         f"{where} failed on layer {source.layer} ({source.name}): {exc!r}")
 
-    def _observe(self, source: QKSource, step: int) -> dict[str, float | None]:
-        out: dict[str, float | None] = {}
-        rows = source.rows(lambda where, exc: self._error(source, where, exc))
-        pair = None
+    def _observe(self, source: QKSource, step: int
+                 ) -> tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]:
+        """Read one owned layer and start its computations: ``(device tensors, decode)``, the
+        decode turning their host copy (None: the transfer failed) into signals. Collective
+        on every rank of the sketch group, whatever this rank read."""
+        rows, void = source.read_rows(lambda where, exc: self._error(source, where, exc))
+        prev = self.snapshots.get(source.layer)
+        pair = older = None
         if rows is not None:
             try:
-                pair = self._read(source, step, rows)
+                pair, older = self._read(source, step, rows)
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error(source, "read", exc)
-        heads = None
+        device = rows[0].device if rows is not None else comm.device_for_group(
+            source.sketch_group)
+        tensors = [torch.as_tensor(void, dtype=torch.float64, device=device).reshape(1)]
+        head = None
         if pair is not None:
             try:
-                heads = self._head_signals(source, *pair)
+                head = self._head_table(source, pair, older)
+                tensors.append(head[0])
             except Exception as exc:  # noqa: BLE001
                 self._error(source, "per-head spectra", exc)
-        split = not self.config.per_head and source.head_index.numel() != source.num_heads
-        if heads is not None:
-            out.update(heads)
-        elif split:  # the other TP ranks' means alone would be a mean over a subset of heads
-            out.update({f"attn/{term}/{metric}/layer_{source.layer}/mean": None
-                        for term in self.terms for metric in METRICS})
-            out.update({f"attn/{term}/{metric}/layer_{source.layer}/mean": None
-                        for term, metric in self.extra})
-        if self.layer_terms:
+                head = None
+        sketch = None
+        if self.layer_terms and (pair is not None or comm.world_size(source.sketch_group) > 1):
             # Collective on every rank of the sketch group, whatever this rank observed.
-            out.update(self._layer_signals(source, step, pair))
-        return out
+            dims = source.dims or (rows[0].shape[1], rows[0].shape[2])
+            sketch = self._layer_sketch(source, step, pair, void, dims, device)
+            tensors.append(sketch[0])
+
+        def decode(values: list[float] | None) -> dict[str, float]:
+            if values is None or values[0] > 0:  # void on some rank: W(t) was not read
+                if rows is not None:
+                    self._restore(source.layer, prev)
+                return self._void_means(source)
+            out: dict[str, float] = {}
+            at = 1
+            if head is not None:
+                out.update(self._decode_head(source, head[1], values[at:at + head[0].numel()]))
+                at += head[0].numel()
+            else:
+                out.update(self._void_means(source))
+            if sketch is not None:
+                out.update(self._decode_sketch(source, pair, sketch[1], values[at:]))
+            return out
+
+        return tensors, decode
+
+    def _restore(self, layer: int, prev: dict[str, Any] | None) -> None:
+        """Put back the snapshot a voided read replaced."""
+        if prev is None:
+            self.snapshots.pop(layer, None)
+        else:
+            self.snapshots[layer] = prev
+
+    def _void_means(self, source: QKSource) -> dict[str, float | None]:
+        """Without per-head values on a rank holding part of a layer's heads (``per_head`` off),
+        its means are void: the other TP ranks' means alone would average a subset of heads."""
+        if self.config.per_head or source.head_index.numel() == source.num_heads:
+            return {}
+        keys = [(t, m) for t in self.terms for m in METRICS] + list(self.extra)
+        return {f"attn/{t}/{m}/layer_{source.layer}/mean": None for t, m in keys}
 
     def _snapshot_of(self, wq: torch.Tensor, wk: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(wq, wk)`` as float32 (rounded to bf16 first with ``snapshot_dtype: bf16``) and
@@ -325,9 +389,10 @@ class QKUpdateMonitor:
                 wk.to(device, snap_dtype, copy=True))
 
     def _read(self, source: QKSource, step: int, rows: tuple[torch.Tensor, torch.Tensor]
-              ) -> tuple[tuple, tuple] | None:
-        """``((wq_prev, wq), (wk_prev, wk))`` float32 on the weights' device from the rows just
-        read, or None on the first observation; stores the new snapshot."""
+              ) -> tuple[tuple[tuple, tuple] | None, tuple | None]:
+        """``(((wq_prev, wq), (wk_prev, wk)), older)`` float32 on the weights' device from the
+        rows just read (``older``: ``W(t - 2 delta)`` for the cosine of successive updates, or
+        None), or ``(None, None)`` on the first observation; stores the new snapshot."""
         wq, wk = rows
         n_loc = source.head_index.numel()
         if wq.dim() != 3 or wk.dim() != 3 or wq.shape[0] != n_loc or wq.shape[1:] != wk.shape[1:]:
@@ -335,118 +400,138 @@ class QKUpdateMonitor:
                              f"[{n_loc}, d_head, d_model] and [groups, d_head, d_model]")
         wq, wk, snap_q, snap_k = self._snapshot_of(wq, wk)
         prev = self.snapshots.get(source.layer)
-        snap = {"step": step, "heads": source.head_index.tolist(), "wq": snap_q, "wk": snap_k}
-        self._older = None
+        snap = {"step": step, "heads": self._heads[source.layer], "wq": snap_q, "wk": snap_k}
+        older = None
         if prev is None or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape:
             self.snapshots[source.layer] = snap
-            return None
-        if self.extra and ("coherence", "cos") in self.extra:
+            return None, None
+        if ("coherence", "cos") in self.extra:
             # W(t - delta) stays for the next step's cosine of successive updates.
             snap.update(wq_prev=prev["wq"], wk_prev=prev["wk"])
             if prev.get("wq_prev") is not None:
-                self._older = (prev["wq_prev"].to(wq.device, torch.float32),
-                               prev["wk_prev"].to(wk.device, torch.float32))
+                older = (prev["wq_prev"].to(wq.device, torch.float32),
+                         prev["wk_prev"].to(wk.device, torch.float32))
         self.snapshots[source.layer] = snap
         if step - prev["step"] != self.interval:
             self._warn_once("gap", f"update window {step - prev['step']} steps at step {step} "
                             f"(interval {self.interval}); using the actual window")
         return ((prev["wq"].to(wq.device, torch.float32), wq),
-                (prev["wk"].to(wk.device, torch.float32), wk))
+                (prev["wk"].to(wk.device, torch.float32), wk)), older
 
-    def _head_signals(self, source: QKSource, q: tuple, k: tuple) -> dict[str, float]:
-        (wq0, wq1), (wk0, wk1) = q, k
+    def _head_table(self, source: QKSource, pair: tuple, older: tuple | None
+                    ) -> tuple[torch.Tensor, tuple[list[str], list[str]]]:
+        """Per-head values on the device: ``[T, 6, H]`` (the five :data:`METRICS` and the
+        degenerate flag per term) then ``[F, H]`` form signals; with ``(terms, form names)``."""
+        (wq0, wq1), (wk0, wk1) = pair
         d_head, d_model = wq1.shape[1], wq1.shape[2]
         group_index = source.group_index.to(wq1.device, torch.long)
         spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
-        heads = source.head_index.tolist()
-        layer = source.layer
-        # One device-to-host transfer per layer: [term, 5 metrics + degenerate, H].
         rows = [_metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
                 for term, sigma2 in spectra.items()]
-        table = torch.stack(rows).tolist() if rows else []
+        form: list[tuple[str, torch.Tensor]] = []
+        if ("coherence", "cos") in self.extra and older is not None:
+            older_q, older_k = older
+            form.append(("attn/coherence/cos", update_cosine(
+                update_factors(wq0, wq1, wk0, wk1, group_index),
+                update_factors(older_q, wq0, older_k, wk0, group_index))))
+        if ("qk", "sigma1") in self.extra:
+            form.append(("attn/qk/sigma1", form_sigma1(wq1, wk1, group_index)))
+        parts = [r.reshape(-1) for r in rows] + [v.to(torch.float64).reshape(-1) for _, v in form]
+        return torch.cat(parts), (list(spectra), [name for name, _ in form])
+
+    def _decode_head(self, source: QKSource, meta: tuple[list[str], list[str]],
+                     values: list[float]) -> dict[str, float]:
+        """Per-head signals from the host copy of :meth:`_head_table` (warns, counts)."""
+        terms, form = meta
+        heads, layer = self._heads[source.layer], source.layer
+        n = len(heads)
         per_head: dict[str, float] = {}
         degenerate = True
-        for term, (*metrics, degenerate_H) in zip(spectra, table, strict=True):
-            fro_H = metrics[0]
-            degenerate = degenerate and all(d > 0 for d in degenerate_H)
-            finite_H = [math.isfinite(f) for f in fro_H]
-            zero_H = [f == 0.0 for f in fro_H]
+        for t, term in enumerate(terms):
+            block = values[t * 6 * n:(t + 1) * 6 * n]
+            metrics = [block[m * n:(m + 1) * n] for m in range(5)]
+            degenerate = degenerate and all(d > 0 for d in block[5 * n:])
+            finite_H = [math.isfinite(f) for f in metrics[0]]
+            zero_H = [f == 0.0 for f in metrics[0]]
             if not all(finite_H):
                 self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
             if any(zero_H):
                 self._warn_once(f"zero:{layer}:{term}",
                                 f"zero {term} update in layer {layer} (frozen?)")
-            for metric, values in zip(METRICS, metrics, strict=True):
-                for h, v, finite, zero in zip(heads, values, finite_H, zero_H, strict=True):
+            for metric, column in zip(METRICS, metrics, strict=True):
+                for h, v, finite, zero in zip(heads, column, finite_H, zero_H, strict=True):
                     if not finite:
                         per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = math.inf
                     elif metric == "fro" or not zero:
                         per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
-        per_head.update(self._form_signals(source, q, k))
+        base = len(terms) * 6 * n
+        for f, name in enumerate(form):
+            column = values[base + f * n:base + (f + 1) * n]
+            per_head.update({f"{name}/layer_{layer}/head_{h}": v
+                             for h, v in zip(heads, column, strict=True) if not math.isnan(v)})
         self._skipped += int(degenerate)
         self._observed += int(not degenerate)
         if self.config.per_head:
             return per_head
         stats = layer_stats(per_head)
-        if len(heads) == source.num_heads:
+        if n == source.num_heads:
             return stats
         self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
                         "per_head=True; they are not emitted")
         return {k: v for k, v in stats.items() if k.endswith("/mean")}
 
-    def _form_signals(self, source: QKSource, q: tuple, k: tuple) -> dict[str, float]:
-        """Per-head cosine of successive form updates and sigma_1 of the form (one transfer)."""
-        (wq0, wq1), (wk0, wk1) = q, k
-        g_H = source.group_index
-        rows: list[tuple[str, torch.Tensor]] = []
-        if ("coherence", "cos") in self.extra and self._older is not None:
-            older_q, older_k = self._older
-            rows.append(("attn/coherence/cos", update_cosine(
-                update_factors(wq0, wq1, wk0, wk1, g_H),
-                update_factors(older_q, wq0, older_k, wk0, g_H))))
-        if ("qk", "sigma1") in self.extra:
-            rows.append(("attn/qk/sigma1", form_sigma1(wq1, wk1, g_H)))
-        if not rows:
-            return {}
-        values = torch.stack([v for _, v in rows]).tolist()
-        heads = source.head_index.tolist()
-        return {f"{name}/layer_{source.layer}/head_{h}": v
-                for (name, _), vals in zip(rows, values, strict=True)
-                for h, v in zip(heads, vals, strict=True) if not math.isnan(v)}
-
-    def _layer_signals(self, source: QKSource, step: int, pair: tuple | None) -> dict[str, float]:
-        """Sketch of all heads of the layer; every rank of the sketch group runs the same calls."""
-        group = source.sketch_group
+    def _layer_sketch(self, source: QKSource, step: int, pair: tuple | None,
+                      void: bool | torch.Tensor, dims: tuple[int, int], device: torch.device
+                      ) -> tuple[torch.Tensor, list]:
+        """Sketch of all heads of the layer, left on the device: ``(agreement [4] then per term
+        its packed values and vote, [(term, shape, local failures)])``. Every rank of the
+        sketch group runs the same calls: one agreement all-reduce, then the terms."""
+        gg_G, weight_G = self._groups[source.layer]
         try:
-            ready, fro2_q, fro2_k, gg_G, weight_G = qk_sketch.sketch_inputs(source, pair)
+            local = qk_sketch.sketch_inputs(pair, weight_G, void, device)
         except Exception as exc:  # noqa: BLE001 - the agreement below must still happen
             self._error(source, "layer sketch inputs", exc)
-            ready, fro2_q, fro2_k, gg_G, weight_G = 0.0, 0.0, 0.0, None, None
-        nonfinite = float(pair is not None and ready == 0.0 and gg_G is not None)
-        n_ready, fro2_q, fro2_k, nonfinite = comm.all_reduce_sum(
-            torch.tensor([ready, fro2_q, fro2_k, nonfinite], dtype=torch.float64), group).tolist()
-        if int(round(n_ready)) != comm.world_size(group):
+            local = torch.zeros(4, dtype=torch.float64, device=device)
+        agreed = comm.all_reduce_sum(local, source.sketch_group).to(device)
+        tensors, terms = [agreed], []
+        for term in self.layer_terms:
+            packed, shape, failed = qk_sketch.sketch_term(
+                self.config.layer_sketch, self.seed, source, step, term, pair, dims, gg_G,
+                weight_G, agreed[1:3], device)
+            tensors.append(packed.to(device))
+            terms.append((term, shape, failed))
+        return torch.cat(tensors), terms
+
+    def _decode_sketch(self, source: QKSource, pair: tuple | None, terms: list,
+                       values: list[float]) -> dict[str, float]:
+        """Layer-sketch signals from the host copy of :meth:`_layer_sketch`."""
+        n_ready, _, _, nonfinite = values[:4]
+        layer = source.layer
+        if int(round(n_ready)) != comm.world_size(source.sketch_group):
             if nonfinite > 0:  # observed, not finite (+inf after the reduction)
-                return {f"attn/layer_{t}/{m}/layer_{source.layer}": math.inf
+                return {f"attn/layer_{t}/{m}/layer_{layer}": math.inf
                         for t in self.layer_terms for m in LAYER_METRICS}
             if pair is not None:
-                self._warn_once(f"sketch:{source.layer}", f"layer {source.layer}: a rank of its "
-                                "sketch group could not read or prepare it; the layer sketch is "
-                                "not observed this step")
+                self._warn_once(f"sketch:{layer}", f"layer {layer}: a rank of its sketch "
+                                "group could not read or prepare it; the layer sketch is not "
+                                "observed this step")
             return {}  # void: not observed (NaN after the reduction)
         out: dict[str, float] = {}
-        for term in self.layer_terms:
-            try:
-                result = qk_sketch.sketch_term(self.config.layer_sketch, self.seed, source, step,
-                                               term, pair, gg_G, weight_G, fro2_q, fro2_k)
-            except qk_sketch.SketchVoid as exc:  # raised on every rank of the group together
-                self._error(source, f"layer sketch {term}", exc)
+        at = 4
+        for term, shape, failed in terms:
+            chunk = values[at:at + shape.size + 1]
+            at += shape.size + 1
+            if chunk[-1] > 0:  # a local part failed on some rank: void on every rank
+                self._error(source, f"layer sketch {term}", failed[0] if failed else
+                            RuntimeError("a local part failed on another rank of the group"))
                 continue
-            values = (result.entropy, result.entropy_lo, result.entropy_hi,
-                      float(result.sigma_K[0]), math.sqrt(result.fro2), result.stable_rank)
-            for metric, v in zip(LAYER_METRICS, values, strict=True):
+            result = sketch_result(chunk[:-1], shape)
+            sigma1 = math.nan if math.isnan(result.fro2) else chunk[-2]  # packed sigma_1
+            metrics = (result.entropy, result.entropy_lo, result.entropy_hi, sigma1,
+                       math.sqrt(result.fro2), result.stable_rank)
+            for metric, v in zip(LAYER_METRICS, metrics, strict=True):
                 if result.fro2 != 0.0 or metric in ("fro", "sigma1"):
-                    out[f"attn/layer_{term}/{metric}/layer_{source.layer}"] = v
+                    out[f"attn/layer_{term}/{metric}/layer_{layer}"] = v
         return out
 
 

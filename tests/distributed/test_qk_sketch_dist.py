@@ -55,7 +55,7 @@ def _table(rank: int, world: int, groups: int) -> dict[str, float]:
 
     source = QKSource(layer=2, name="decoder.layers.1.self_attention", num_heads=HEADS,
                       head_index=heads, group_index=global_groups - first, read=read,
-                      sketch_group=None, num_groups=groups)
+                      sketch_group=None, num_groups=groups, dims=(D_HEAD, D_MODEL))
     monitor = QKUpdateMonitor(_config(), [source])
     for step in STEPS:
         clock["step"] = step

@@ -1,12 +1,13 @@
 """Counters: what mechmon does on unmonitored and on monitored steps.
 
 Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT (MoE, 4 experts) with
-the QK, router, optim and (global) loss monitors. During every ``MechMon.begin_step`` / ``end_step`` the test counts calls
-into ``comm`` and ``torch.distributed`` (collectives) and tensor-to-host conversions (``item``,
-``tolist``, ``cpu``, ``float``/``int``/``bool`` of a tensor, ``numpy``). On unmonitored steps
-both must be zero; on monitored steps the counts per monitor are bounded (one transfer for the
-per-head table of each layer this rank computes, three per term of the layer sketch, one for
-the update ratios, one for the router) and printed.
+the QK, router, optim and (global) loss monitors. During every ``MechMon.begin_step`` /
+``end_step`` the test counts calls into ``comm`` and ``torch.distributed`` (collectives) and
+tensor-to-host conversions (``item``, ``tolist``, ``cpu``, ``float``/``int``/``bool`` of a
+tensor, ``numpy``; on CPU every conversion counts, so the code keeps host metadata as Python
+values). On unmonitored steps both must be zero; on monitored steps each monitor makes exactly
+one transfer (the QK monitor's covers every layer this rank computes: per-head tables, layer
+sketches, their agreement and failure votes), and the counts are printed.
 """
 
 from __future__ import annotations
@@ -124,10 +125,7 @@ def test_monitored_steps_make_a_bounded_number_of_transfers_per_monitor(counts):
         # layer this DP rank computes, one transfer.
         assert [rank["host"].get(f"{s}:monitor:router", 0) for s in steps] == [1, 1, 1]
         # QK: each rank computes one of the two layers (DP split); the first step only
-        # snapshots. Then (measured 20 conversions): the per-head table and the form signals
-        # (one transfer each, plus reads of the host-side head index), the sketch inputs (one)
-        # and their agreement (one), and per sketched term one transfer of its spectrum and
-        # tail scalars, one read of its failure vote and one of sigma_1 from the host copy;
-        # the power iterations themselves stay on the device (they read ~60 scalars before).
-        qk = [rank["host"].get(f"{s}:monitor:attn", 0) for s in steps]
-        assert qk[0] <= 3 and 0 < qk[1] == qk[2] <= 20, qk
+        # snapshots. Every value of the layer (void flag, per-head table, form signals, sketch
+        # agreement, spectra, tail scalars and failure votes) stays on the device until one
+        # transfer.
+        assert [rank["host"].get(f"{s}:monitor:attn", 0) for s in steps] == [1, 1, 1]

@@ -192,11 +192,12 @@ of the model."""
 
 
 def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any, bucket: int = EXCHANGE_BUCKET
-              ) -> Callable[[list[torch.Tensor] | None], tuple[list[torch.Tensor], bool]]:
+              ) -> Callable[[list[torch.Tensor] | None],
+                            tuple[list[torch.Tensor], bool | torch.Tensor]]:
     """The collective phase of the fp32 reads: per DP group of sharded main params, their parts
     flattened into buckets of at most ``bucket`` elements (a larger parameter alone), one
     ``comm.sum_or_void`` each, in the same order on every rank (the order and sizes follow from
-    the shapes only)."""
+    the shapes only). The void flag stays a device tensor (read with the monitor's values)."""
     groups = [fp32_sum_group(p, optimizer) for p in params]
     order: list[Any] = []
     for g in groups:
@@ -207,13 +208,14 @@ def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any, bucket: int 
             for idx in buckets([i for i, g in enumerate(groups) if g is group],
                                [math.prod(s) for s in shapes], bucket)]
 
-    def exchange(parts: list[torch.Tensor] | None) -> tuple[list[torch.Tensor], bool]:
-        void = parts is None
+    def exchange(parts: list[torch.Tensor] | None
+                 ) -> tuple[list[torch.Tensor], bool | torch.Tensor]:
+        void: bool | torch.Tensor = parts is None
         out = list(parts) if parts is not None else [torch.zeros(s) for s in shapes]
         for group, idx in plan:
-            flat = torch.cat([out[i].reshape(-1) for i in idx]) if not void else None
+            flat = torch.cat([out[i].reshape(-1) for i in idx]) if parts is not None else None
             total, void = comm.sum_or_void(flat, (sum(math.prod(shapes[i]) for i in idx),),
-                                           group, void)
+                                           group, void, defer=True)
             for i, piece in zip(idx, total.split([math.prod(shapes[i]) for i in idx]),
                                 strict=True):
                 out[i] = piece.view(shapes[i])

@@ -92,7 +92,8 @@ class OptimSource:
     read: Callable[[], list[torch.Tensor]]
     probe: CurvatureProbe | None = None
     group: comm.Group = None
-    exchange: Callable[[list[torch.Tensor] | None], tuple[list[torch.Tensor], bool]] | None = None
+    exchange: Callable[[list[torch.Tensor] | None],
+                       tuple[list[torch.Tensor], bool | torch.Tensor]] | None = None
 
     def keys(self) -> list[str]:
         """This rank's keys, sorted."""
@@ -130,6 +131,7 @@ class OptimMonitor:
                           if config.sharpness.enabled and source.probe is not None else None)
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = -1
+        self._snapshot_void: bool | torch.Tensor = False
         self.errors = 0
         self._observed = self._skipped = 0
         self._warned: set[str] = set()
@@ -157,9 +159,10 @@ class OptimMonitor:
         if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
             self.snapshot = None
             if self.due(step):
-                weights = self._weights()
-                if weights is not None:
+                weights, void = self._weights()
+                if weights is not None:  # its void flag is read with end_step's values
                     self.snapshot, self.snapshot_step = self._copy(weights), step - 1
+                    self._snapshot_void = void
 
     def end_step(self, step: int) -> dict[str, float]:
         """Update ratios and, every ``sharpness.interval`` steps, the sharpness."""
@@ -167,9 +170,9 @@ class OptimMonitor:
             return {}
         out: dict[str, float] = {}
         if self.config.update_ratio.enabled:
-            weights = self._weights()  # collective when the source has an exchange phase
+            weights, void = self._weights()  # collective when the source has an exchange
             try:
-                out.update(self._ratios(step, weights))
+                out.update(self._ratios(step, weights, void))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
                 out.update(self._void())
@@ -236,48 +239,59 @@ class OptimMonitor:
         return {f"optim/{stat}/{key}": None for key in set(self.keys)
                 for stat in ("update_sq", "weight_sq")}
 
-    def _weights(self) -> list[torch.Tensor] | None:
-        """Local phase (caught), then the exchange every rank joins; None when void."""
+    def _weights(self) -> tuple[list[torch.Tensor] | None, bool | torch.Tensor]:
+        """Local phase (caught), then the exchange every rank joins: ``(weights, void)``,
+        weights None when void is known here; ``void`` may be the exchange's device flag."""
         parts = None
         try:
             parts = self.source.read()
         except Exception as exc:  # noqa: BLE001 - becomes the void flag of the exchange
             self._error("read", exc)
         if self.source.exchange is None:
-            return parts
+            return parts, parts is None
         weights, void = self.source.exchange(parts)
-        return None if void else weights
+        return (None, True) if not isinstance(void, torch.Tensor) and void else (weights, void)
 
-    def _ratios(self, step: int, current: list[torch.Tensor] | None
-                ) -> dict[str, float | None]:
+    def _ratios(self, step: int, current: list[torch.Tensor] | None,
+                void: bool | torch.Tensor) -> dict[str, float | None]:
         if current is None:  # void on some rank: this rank's parts would make wrong sums
             self.snapshot = None
             return self._void()
-        before = self.snapshot
+        before, before_void = self.snapshot, self._snapshot_void
+        self._snapshot_void = False
         if self.config.update_ratio.window == "interval":
             self.snapshot, self.snapshot_step = self._copy(current), step
         else:
             self.snapshot = None
-        if before is None or [t.shape for t in before] != [t.shape for t in current]:
-            return self._void()  # the other holders' parts alone would be a partial sum
         index = {key: i for i, key in enumerate(self.holders)}
-        sums_K2 = torch.zeros(len(index), 2, dtype=torch.float64)
-        rows, parts = [], []
-        for p, key, w0, w1 in zip(self.source.params, self.keys, before, current, strict=True):
-            if p.owned:
-                w0 = w0.to(w1.device)
-                rows.append(index[key])
-                parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
-                                          w0.double().pow(2).sum()]).to(parts[0].device
-                                                                        if parts else w1.device))
-        if parts:
-            sums_K2 = sums_K2.to(parts[0].device).index_add_(
-                0, torch.tensor(rows, device=parts[0].device), torch.stack(parts))
-        values = sums_K2.tolist()  # the one device-to-host transfer of the step
+        device = current[0].device if current else torch.device("cpu")
+        sums_K2 = torch.zeros(len(index), 2, dtype=torch.float64, device=device)
+        usable = before is not None and [t.shape for t in before] == [t.shape for t in current]
+        if usable:
+            rows, parts = [], []
+            for p, key, w0, w1 in zip(self.source.params, self.keys, before, current,
+                                      strict=True):
+                if p.owned:
+                    rows.append(index[key])
+                    w0 = w0.to(w1.device)
+                    parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
+                                              w0.double().pow(2).sum()]).to(device))
+            if parts:
+                sums_K2.index_add_(0, torch.tensor(rows, device=device), torch.stack(parts))
+        flags = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
+                             for v in (void, before_void)])
+        # The one device-to-host transfer of the step: the sums and both reads' void flags.
+        *values, void_now, void_before = torch.cat([sums_K2.reshape(-1), flags]).tolist()
+        if void_now > 0:  # the read was void on some rank: no snapshot from it either
+            self.snapshot = None
+            return self._void()
+        if not usable or void_before > 0:
+            return self._void()  # the other holders' parts alone would be a partial sum
         mine = set(self.keys)
         out: dict[str, float] = {}
         finite = 0
-        for key, (upd, ref) in zip(index, values, strict=True):
+        for key, i in index.items():
+            upd, ref = values[2 * i], values[2 * i + 1]
             if key in mine:
                 scale = float(self.holders[key])
                 out[f"optim/update_sq/{key}"] = upd * scale

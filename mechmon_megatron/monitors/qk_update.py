@@ -38,8 +38,6 @@ only (exact: TP splits heads evenly) with NaN ``min``/``max`` (warned).
 
 from __future__ import annotations
 
-import math
-import re
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -47,16 +45,9 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
-from mechmon_megatron.math.sketch import sketch_result
-from mechmon_megatron.math.spectra import (
-    METRICS,
-    qk_grams,
-    qk_spectra,
-    spectral_metrics,
-    term_rank_bound,
-)
+from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
+from mechmon_megatron.monitors.qk_observe import STATS, QKObserve, layer_stats
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
 from mechmon_megatron.monitors.qk_source import QKSource
 from mechmon_megatron.monitors.qk_state import (
@@ -68,35 +59,7 @@ from mechmon_megatron.monitors.qk_state import (
 
 __all__ = ["QKSource", "QKUpdateMonitor", "layer_stats", "LAYER_TERMS", "LAYER_METRICS"]
 
-STATS = ("mean", "min", "max")
-_HEAD_RE = re.compile(r"^(attn/[^/]+/[^/]+/layer_\d+)/head_\d+$")
-
-
-def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
-    """Per-layer mean/min/max over heads from the per-head signals of a table.
-
-    ``attn/<term>/<metric>/layer_L/head_H`` -> ``attn/<term>/<metric>/layer_L/{mean,min,max}``
-    over the observed heads: NaN values (not observed) are skipped; any infinite value (observed,
-    not finite) makes all three +inf; NaN when no head was observed. Pure: identical on every rank
-    given the reduced table.
-    """
-    groups: dict[str, list[float]] = {}
-    for name, value in table.items():
-        match = _HEAD_RE.match(name)
-        if match:
-            groups.setdefault(match.group(1), []).append(float(value))
-    out: dict[str, float] = {}
-    for prefix, values in groups.items():
-        seen = [v for v in values if not math.isnan(v)]
-        if not seen or not all(math.isfinite(v) for v in seen):
-            stats = (math.inf,) * 3 if seen else (math.nan,) * 3
-        else:
-            stats = (sum(seen) / len(seen), min(seen), max(seen))
-        out.update({f"{prefix}/{stat}": v for stat, v in zip(STATS, stats, strict=True)})
-    return out
-
-
-class QKUpdateMonitor:
+class QKUpdateMonitor(QKObserve):
     """Monitor of ``W_Q W_K^T`` updates (see the module docstring for its signals).
 
     Args:
@@ -313,70 +276,6 @@ class QKUpdateMonitor:
         self._warn_once(f"error:{where}:{type(exc).__name__}",
                         f"{where} failed on layer {source.layer} ({source.name}): {exc!r}")
 
-    def _observe(self, source: QKSource, step: int
-                 ) -> tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]:
-        """Read one owned layer and start its computations: ``(device tensors, decode)``, the
-        decode turning their host copy (None: the transfer failed) into signals. Collective
-        on every rank of the sketch group, whatever this rank read."""
-        rows, void = source.read_rows(lambda where, exc: self._error(source, where, exc))
-        prev = self.snapshots.get(source.layer)
-        pair = older = None
-        if rows is not None:
-            try:
-                pair, older = self._read(source, step, rows)
-            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
-                self._error(source, "read", exc)
-        device = rows[0].device if rows is not None else comm.device_for_group(
-            source.sketch_group)
-        tensors = [torch.as_tensor(void, dtype=torch.float64, device=device).reshape(1)]
-        head = None
-        if pair is not None:
-            try:
-                head = self._head_table(source, pair, older)
-                tensors.append(head[0])
-            except Exception as exc:  # noqa: BLE001
-                self._error(source, "per-head spectra", exc)
-                head = None
-        sketch = None
-        if self.layer_terms and (pair is not None or comm.world_size(source.sketch_group) > 1):
-            # Collective on every rank of the sketch group, whatever this rank observed.
-            dims = source.dims or (rows[0].shape[1], rows[0].shape[2])
-            sketch = self._layer_sketch(source, step, pair, void, dims, device)
-            tensors.append(sketch[0])
-
-        def decode(values: list[float] | None) -> dict[str, float]:
-            if values is None or values[0] > 0:  # void on some rank: W(t) was not read
-                if rows is not None:
-                    self._restore(source.layer, prev)
-                return self._void_means(source)
-            out: dict[str, float] = {}
-            at = 1
-            if head is not None:
-                out.update(self._decode_head(source, head[1], values[at:at + head[0].numel()]))
-                at += head[0].numel()
-            else:
-                out.update(self._void_means(source))
-            if sketch is not None:
-                out.update(self._decode_sketch(source, pair, sketch[1], values[at:]))
-            return out
-
-        return tensors, decode
-
-    def _restore(self, layer: int, prev: dict[str, Any] | None) -> None:
-        """Put back the snapshot a voided read replaced."""
-        if prev is None:
-            self.snapshots.pop(layer, None)
-        else:
-            self.snapshots[layer] = prev
-
-    def _void_means(self, source: QKSource) -> dict[str, float | None]:
-        """Without per-head values on a rank holding part of a layer's heads (``per_head`` off),
-        its means are void: the other TP ranks' means alone would average a subset of heads."""
-        if self.config.per_head or source.head_index.numel() == source.num_heads:
-            return {}
-        keys = [(t, m) for t in self.terms for m in METRICS] + list(self.extra)
-        return {f"attn/{t}/{m}/layer_{source.layer}/mean": None for t, m in keys}
-
     def _snapshot_of(self, wq: torch.Tensor, wk: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(wq, wk)`` as float32 (rounded to bf16 first with ``snapshot_dtype: bf16``) and
         their stored copies (snapshot dtype, offloaded to CPU with ``offload_snapshots``)."""
@@ -417,125 +316,3 @@ class QKUpdateMonitor:
                             f"(interval {self.interval}); using the actual window")
         return ((prev["wq"].to(wq.device, torch.float32), wq),
                 (prev["wk"].to(wk.device, torch.float32), wk)), older
-
-    def _head_table(self, source: QKSource, pair: tuple, older: tuple | None
-                    ) -> tuple[torch.Tensor, tuple[list[str], list[str]]]:
-        """Per-head values on the device: ``[T, 6, H]`` (the five :data:`METRICS` and the
-        degenerate flag per term) then ``[F, H]`` form signals; with ``(terms, form names)``."""
-        (wq0, wq1), (wk0, wk1) = pair
-        d_head, d_model = wq1.shape[1], wq1.shape[2]
-        group_index = source.group_index.to(wq1.device, torch.long)
-        spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
-        rows = [_metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
-                for term, sigma2 in spectra.items()]
-        form: list[tuple[str, torch.Tensor]] = []
-        if ("coherence", "cos") in self.extra and older is not None:
-            older_q, older_k = older
-            form.append(("attn/coherence/cos", update_cosine(
-                update_factors(wq0, wq1, wk0, wk1, group_index),
-                update_factors(older_q, wq0, older_k, wk0, group_index))))
-        if ("qk", "sigma1") in self.extra:
-            form.append(("attn/qk/sigma1", form_sigma1(wq1, wk1, group_index)))
-        parts = [r.reshape(-1) for r in rows] + [v.to(torch.float64).reshape(-1) for _, v in form]
-        return torch.cat(parts), (list(spectra), [name for name, _ in form])
-
-    def _decode_head(self, source: QKSource, meta: tuple[list[str], list[str]],
-                     values: list[float]) -> dict[str, float]:
-        """Per-head signals from the host copy of :meth:`_head_table` (warns, counts)."""
-        terms, form = meta
-        heads, layer = self._heads[source.layer], source.layer
-        n = len(heads)
-        per_head: dict[str, float] = {}
-        degenerate = True
-        for t, term in enumerate(terms):
-            block = values[t * 6 * n:(t + 1) * 6 * n]
-            metrics = [block[m * n:(m + 1) * n] for m in range(5)]
-            degenerate = degenerate and all(d > 0 for d in block[5 * n:])
-            finite_H = [math.isfinite(f) for f in metrics[0]]
-            zero_H = [f == 0.0 for f in metrics[0]]
-            if not all(finite_H):
-                self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
-            if any(zero_H):
-                self._warn_once(f"zero:{layer}:{term}",
-                                f"zero {term} update in layer {layer} (frozen?)")
-            for metric, column in zip(METRICS, metrics, strict=True):
-                for h, v, finite, zero in zip(heads, column, finite_H, zero_H, strict=True):
-                    if not finite:
-                        per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = math.inf
-                    elif metric == "fro" or not zero:
-                        per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
-        base = len(terms) * 6 * n
-        for f, name in enumerate(form):
-            column = values[base + f * n:base + (f + 1) * n]
-            per_head.update({f"{name}/layer_{layer}/head_{h}": v
-                             for h, v in zip(heads, column, strict=True) if not math.isnan(v)})
-        self._skipped += int(degenerate)
-        self._observed += int(not degenerate)
-        if self.config.per_head:
-            return per_head
-        stats = layer_stats(per_head)
-        if n == source.num_heads:
-            return stats
-        self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
-                        "per_head=True; they are not emitted")
-        return {k: v for k, v in stats.items() if k.endswith("/mean")}
-
-    def _layer_sketch(self, source: QKSource, step: int, pair: tuple | None,
-                      void: bool | torch.Tensor, dims: tuple[int, int], device: torch.device
-                      ) -> tuple[torch.Tensor, list]:
-        """Sketch of all heads of the layer, left on the device: ``(agreement [4] then per term
-        its packed values and vote, [(term, shape, local failures)])``. Every rank of the
-        sketch group runs the same calls: one agreement all-reduce, then the terms."""
-        gg_G, weight_G = self._groups[source.layer]
-        try:
-            local = qk_sketch.sketch_inputs(pair, weight_G, void, device)
-        except Exception as exc:  # noqa: BLE001 - the agreement below must still happen
-            self._error(source, "layer sketch inputs", exc)
-            local = torch.zeros(4, dtype=torch.float64, device=device)
-        agreed = comm.all_reduce_sum(local, source.sketch_group).to(device)
-        tensors, terms = [agreed], []
-        for term in self.layer_terms:
-            packed, shape, failed = qk_sketch.sketch_term(
-                self.config.layer_sketch, self.seed, source, step, term, pair, dims, gg_G,
-                weight_G, agreed[1:3], device)
-            tensors.append(packed.to(device))
-            terms.append((term, shape, failed))
-        return torch.cat(tensors), terms
-
-    def _decode_sketch(self, source: QKSource, pair: tuple | None, terms: list,
-                       values: list[float]) -> dict[str, float]:
-        """Layer-sketch signals from the host copy of :meth:`_layer_sketch`."""
-        n_ready, _, _, nonfinite = values[:4]
-        layer = source.layer
-        if int(round(n_ready)) != comm.world_size(source.sketch_group):
-            if nonfinite > 0:  # observed, not finite (+inf after the reduction)
-                return {f"attn/layer_{t}/{m}/layer_{layer}": math.inf
-                        for t in self.layer_terms for m in LAYER_METRICS}
-            if pair is not None:
-                self._warn_once(f"sketch:{layer}", f"layer {layer}: a rank of its sketch "
-                                "group could not read or prepare it; the layer sketch is not "
-                                "observed this step")
-            return {}  # void: not observed (NaN after the reduction)
-        out: dict[str, float] = {}
-        at = 4
-        for term, shape, failed in terms:
-            chunk = values[at:at + shape.size + 1]
-            at += shape.size + 1
-            if chunk[-1] > 0:  # a local part failed on some rank: void on every rank
-                self._error(source, f"layer sketch {term}", failed[0] if failed else
-                            RuntimeError("a local part failed on another rank of the group"))
-                continue
-            result = sketch_result(chunk[:-1], shape)
-            sigma1 = math.nan if math.isnan(result.fro2) else chunk[-2]  # packed sigma_1
-            metrics = (result.entropy, result.entropy_lo, result.entropy_hi, sigma1,
-                       math.sqrt(result.fro2), result.stable_rank)
-            for metric, v in zip(LAYER_METRICS, metrics, strict=True):
-                if result.fro2 != 0.0 or metric in ("fro", "sigma1"):
-                    out[f"attn/layer_{term}/{metric}/layer_{layer}"] = v
-        return out
-
-
-def _metric_rows(sigma2_HN: torch.Tensor, rank_bound: int, alpha: float) -> torch.Tensor:
-    """``[6, H]`` float64 on the device: the five :data:`METRICS` and the degenerate flag."""
-    m = spectral_metrics(sigma2_HN, rank_bound, alpha)
-    return torch.stack([*m[:5], m.degenerate.to(torch.float64)])

@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -156,24 +157,10 @@ def _tail_entropy(h_head: float, p_last: float, m: float, tail_mean_log_p: float
     return min(max(h_head - m * tail_mean_log_p, lower), upper), lower, upper
 
 
-def subspace_iteration(
-    matmat: MatMat,
-    rmatmat: MatMat,
-    n_in: int,
-    n_out: int,
-    generator: torch.Generator,
-    rank: int = 16,
-    oversample: int = 10,
-    power_iters: int = 2,
-    probes: int = 24,
-    blocks: int = 3,
-    fro2: float | None = None,
-    rank_bound: int | None = None,
-    device: torch.device | str = "cpu",
-) -> SketchResult:
-    """:func:`sketch_device` and :func:`sketch_result` with the one transfer between them."""
-    packed, shape = sketch_device(matmat, rmatmat, n_in, n_out, generator, rank, oversample,
-                                  power_iters, probes, blocks, fro2, rank_bound, device)
+def subspace_iteration(*args: Any, **kwargs: Any) -> SketchResult:
+    """:func:`sketch_device` (same arguments) and :func:`sketch_result`, with the one
+    device-to-host transfer between them."""
+    packed, shape = sketch_device(*args, **kwargs)
     return sketch_result(packed.tolist(), shape)
 
 

@@ -63,91 +63,97 @@ sys.modules["bridge_callbacks"] = cb
 spec.loader.exec_module(cb)
 config_path, save, iters = sys.argv[2], sys.argv[3], int(sys.argv[4])
 
-dist.init_process_group("gloo", init_method="file://" + save + ".rdzv", rank=0, world_size=1)
-init_parallel(ParallelSpec())
-SPEC = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
-                 seq_length=16)
-model = [build_gpt(SPEC, ParallelSpec())]
-optimizer = torch.optim.SGD(model[0].parameters(), lr=0.05)
+
+def main():  # a main guard: dist_checkpointing's save spawns a multiprocessing manager
+    dist.init_process_group("gloo", init_method="file://" + save + ".rdzv", rank=0, world_size=1)
+    init_parallel(ParallelSpec())
+    SPEC = ModelSpec(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                     seq_length=16)
+    model = [build_gpt(SPEC, ParallelSpec())]
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.05)
 
 
-class SignalHandler:
-    _signal_received = False
+    class SignalHandler:
+        _signal_received = False
 
-    def signals_received(self):
-        return [self._signal_received]
-
-
-state = types.SimpleNamespace(
-    cfg=types.SimpleNamespace(
-        checkpoint=types.SimpleNamespace(save=save, load=save, save_interval=5),
-        train=types.SimpleNamespace(exit_signal_handler=False, exit_signal=signal.SIGTERM)),
-    train_state=types.SimpleNamespace(step=0), tensorboard_logger=None, wandb_logger=None,
-    signal_handler=SignalHandler())
-events = []
+        def signals_received(self):
+            return [self._signal_received]
 
 
-def save_checkpoint(state, model, optimizer, opt_param_scheduler, flops,
-                    checkpointing_context=None, non_persistent_ckpt=False,
-                    train_data_iterator=None, **kwargs):
-    step = state.train_state.step
-    directory = os.path.join(save, f"iter_{step:07d}")
-    os.makedirs(directory, exist_ok=True)
-    torch.save({"model": model[0].state_dict(), "optimizer": optimizer.state_dict()},
-               os.path.join(directory, "model.pt"))
-    with open(os.path.join(save, "latest_train_state.txt"), "w") as fh:
-        fh.write(str(step))
-    events.append(["save", step])
+    state = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(
+            checkpoint=types.SimpleNamespace(save=save, load=save, save_interval=5),
+            train=types.SimpleNamespace(exit_signal_handler=False, exit_signal=signal.SIGTERM)),
+        train_state=types.SimpleNamespace(step=0), tensorboard_logger=None, wandb_logger=None,
+        signal_handler=SignalHandler())
+    events = []
 
 
-train = types.SimpleNamespace(save_checkpoint=save_checkpoint)
-tracker = os.path.join(save, "latest_train_state.txt")
-if os.path.isfile(tracker):
-    state.train_state.step = int(open(tracker).read())
-    saved = torch.load(os.path.join(save, f"iter_{state.train_state.step:07d}", "model.pt"))
-    model[0].load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-
-manager = cb.CallbackManager()
-manager.add(MechMonCallback(config_path, train_module=train))
-
-
-def context(**kw):
-    return cb.CallbackContext(state=state, model=model, user_state=manager.user_state,
-                              optimizer=optimizer, scheduler=None, **kw)
+    def save_checkpoint(state, model, optimizer, opt_param_scheduler, flops,
+                        checkpointing_context=None, non_persistent_ckpt=False,
+                        train_data_iterator=None, **kwargs):
+        step = state.train_state.step
+        directory = os.path.join(save, f"iter_{step:07d}")
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"model": model[0].state_dict(), "optimizer": optimizer.state_dict()},
+                   os.path.join(directory, "model.pt"))
+        with open(os.path.join(save, "latest_train_state.txt"), "w") as fh:
+            fh.write(str(step))
+        events.append(["save", step])
 
 
-code = 0
-try:
-    # Bridge train(): on_train_start; per iteration on_train_step_start, train_step,
-    # on_train_step_end, step += 1, checkpoint_and_decide_exit; sys.exit(exit_code) (0).
-    manager.fire("on_train_start", context())
-    while state.train_state.step < iters:
-        manager.fire("on_train_step_start", context())
-        it = state.train_state.step
-        g = torch.Generator().manual_seed(it % 4)
-        tokens = torch.randint(0, SPEC.vocab_size, (4, SPEC.seq_length + 1), generator=g)
-        pos = torch.arange(SPEC.seq_length).unsqueeze(0)
-        loss = model[0](tokens[:, :-1], pos, None, labels=tokens[:, 1:]).float().mean()
-        optimizer.zero_grad()
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model[0].parameters(), float("inf")))
-        optimizer.step()
-        events.append(["step", it + 1])
-        manager.fire("on_train_step_end", context(loss_dict={"lm loss": loss.detach()},
-                                                  grad_norm=grad_norm, skipped_iter=False))
-        state.train_state.step += 1
-        if state.cfg.train.exit_signal_handler and any(state.signal_handler.signals_received()):
-            train.save_checkpoint(state, model, optimizer, None, 0.0, checkpointing_context={},
-                                  train_data_iterator=None)
-            break
-        if state.train_state.step % state.cfg.checkpoint.save_interval == 0:
-            train.save_checkpoint(state, model, optimizer, None, 0.0, checkpointing_context={})
-    else:
-        manager.fire("on_train_end", context())
-except SystemExit as exc:
-    code = exc.code
-print("RESULT " + json.dumps({"code": code, "events": events}))
+    train = types.SimpleNamespace(save_checkpoint=save_checkpoint)
+    tracker = os.path.join(save, "latest_train_state.txt")
+    if os.path.isfile(tracker):
+        state.train_state.step = int(open(tracker).read())
+        saved = torch.load(os.path.join(save, f"iter_{state.train_state.step:07d}", "model.pt"))
+        model[0].load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+
+    manager = cb.CallbackManager()
+    manager.add(MechMonCallback(config_path, train_module=train))
+
+
+    def context(**kw):
+        return cb.CallbackContext(state=state, model=model, user_state=manager.user_state,
+                                  optimizer=optimizer, scheduler=None, **kw)
+
+
+    code = 0
+    try:
+        # Bridge train(): on_train_start; per iteration on_train_step_start, train_step,
+        # on_train_step_end, step += 1, checkpoint_and_decide_exit; sys.exit(exit_code) (0).
+        manager.fire("on_train_start", context())
+        while state.train_state.step < iters:
+            manager.fire("on_train_step_start", context())
+            it = state.train_state.step
+            g = torch.Generator().manual_seed(it % 4)
+            tokens = torch.randint(0, SPEC.vocab_size, (4, SPEC.seq_length + 1), generator=g)
+            pos = torch.arange(SPEC.seq_length).unsqueeze(0)
+            loss = model[0](tokens[:, :-1], pos, None, labels=tokens[:, 1:]).float().mean()
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model[0].parameters(), float("inf")))
+            optimizer.step()
+            events.append(["step", it + 1])
+            manager.fire("on_train_step_end", context(loss_dict={"lm loss": loss.detach()},
+                                                      grad_norm=grad_norm, skipped_iter=False))
+            state.train_state.step += 1
+            if state.cfg.train.exit_signal_handler and any(state.signal_handler.signals_received()):
+                train.save_checkpoint(state, model, optimizer, None, 0.0, checkpointing_context={},
+                                      train_data_iterator=None)
+                break
+            if state.train_state.step % state.cfg.checkpoint.save_interval == 0:
+                train.save_checkpoint(state, model, optimizer, None, 0.0, checkpointing_context={})
+        else:
+            manager.fire("on_train_end", context())
+    except SystemExit as exc:
+        code = exc.code
+    print("RESULT " + json.dumps({"code": code, "events": events}))
+
+
+if __name__ == "__main__":
+    main()
 '''
 
 

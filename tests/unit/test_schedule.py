@@ -36,11 +36,12 @@ def test_the_eos_bound_judges_only_after_the_delay_other_families_from_start_ste
     cfg = resolve_schedule(load_config({}), warmup_steps=20, beta2=0.95)
     bank = DetectorBank(cfg, [EOS, ENTROPY])
     assert bank.channels[EOS].start_step == 40 and bank.channels[ENTROPY].start_step == 20
-    # The end-of-warm-up overshoot (two estimates above 1 before step 40) is not judged ...
-    for step, value in ((20, 8.5), (30, 1.7)):
+    # The end-of-warm-up overshoot (two estimates above the bound before step 40) is not
+    # judged ...
+    for step, value in ((20, 8.5), (30, 2.7)):
         assert not [f for f in bank.update(step, {EOS: value}) if f.alarm]
-    # ... a run that stays past the edge after it is.
-    alarms = [f for step in (40, 50) for f in bank.update(step, {EOS: 1.5}) if f.alarm]
+    # ... a run that stays far past the edge after it is.
+    alarms = [f for step in (40, 50) for f in bank.update(step, {EOS: 2.5}) if f.alarm]
     assert [(f.signal, f.detector, f.step) for f in alarms] == [(EOS, "bounds", 50)]
 
 

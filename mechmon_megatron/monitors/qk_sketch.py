@@ -62,7 +62,7 @@ def sketch_inputs(pair: tuple | None, weight_G: torch.Tensor, void: bool | torch
 def operators(source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
               weight_G: torch.Tensor) -> tuple:
     """This rank's parts of the sketched operator and its adjoint (local, no collective):
-    ``(matmat, rmatmat, rows of the operator, rank bound)``."""
+    ``(matmat, rmatmat)``; their shapes are :func:`sketch_term`'s."""
     (wq0, wq1), (wk0, wk1) = pair
     heads_G, d_head, d_model = source.num_heads, wq1.shape[1], wq1.shape[2]
     device, dtype = wq1.device, wq1.dtype
@@ -94,7 +94,6 @@ def operators(source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
             return (wk0.flatten(0, 1).T @ a.flatten(0, 1)
                           + dwk_GKD.flatten(0, 1).T @ b.flatten(0, 1))
 
-        n_out, bound = d_model, min(d_model, 2 * d_head * heads_G)
     elif term == "dwq":
         def matmat(x: torch.Tensor) -> torch.Tensor:
             z = torch.zeros(heads_G, d_head, x.shape[1], device=device, dtype=dtype)
@@ -105,8 +104,6 @@ def operators(source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
             y_loc = y.to(device, dtype).view(heads_G, d_head, -1)[head_index]
             return (dwq.T @ y_loc.flatten(0, 1))
 
-        n_out = heads_G * d_head
-        bound = min(n_out, d_model)
     else:
         def matmat(x: torch.Tensor) -> torch.Tensor:
             z = torch.zeros(n_groups, d_head, x.shape[1], device=device, dtype=dtype)
@@ -117,9 +114,7 @@ def operators(source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
             y_loc = w_G11 * y.to(device, dtype).view(n_groups, d_head, -1)[gg]
             return (dwk_GKD.flatten(0, 1).T @ y_loc.flatten(0, 1))
 
-        n_out = n_groups * d_head
-        bound = min(n_out, d_model)
-    return matmat, rmatmat, n_out, bound
+    return matmat, rmatmat
 
 
 def sketch_term(config: Any, seed: int, source: QKSource, step: int, term: str,
@@ -143,7 +138,7 @@ def sketch_term(config: Any, seed: int, source: QKSource, step: int, term: str,
         matmat, rmatmat = _zero(n_out, device), _zero(d_model, device)
     else:
         try:
-            matmat, rmatmat, _, bound = operators(source, term, pair, gg_G, weight_G)
+            matmat, rmatmat = operators(source, term, pair, gg_G, weight_G)
         except Exception as exc:  # noqa: BLE001 - the sketch's all-reduces must still happen
             failed.append(exc)
             matmat = rmatmat = _raising(exc)

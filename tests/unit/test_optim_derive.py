@@ -49,3 +49,35 @@ def test_the_fp32_exchange_cuts_parameters_into_buckets_in_order():
     cut = buckets(list(range(6)), sizes, 4)
     assert [i for b in cut for i in b] == list(range(6))
     assert all(len(b) == 1 or sum(sizes[i] for i in b) <= 4 for b in cut)
+
+
+def test_a_read_voided_by_the_exchange_flag_voids_that_steps_sums():
+    # A sharded read's exchange reports a failure elsewhere as a device flag, read with the
+    # sums in the step's one transfer: the begin read voided at step 4, the end read at 6.
+    import torch
+
+    from mechmon_megatron.monitors.optim import OptimParam
+
+    config = OptimMonitorConfig()
+    config.sharpness.enabled = False
+    config.interval, config.warmup_steps = 2, 0
+    w = {"value": torch.ones(3, 4)}
+    reads = {"n": 0}
+    bad = {3, 6}  # the 3rd read (begin of step 4) and the 6th (end of step 6)
+
+    def exchange(parts):
+        reads["n"] += 1
+        return parts, torch.tensor([reads["n"] in bad])
+
+    params = [OptimParam("w", "qkv", 1, True)]
+    mon = OptimMonitor(config, OptimSource(params, lambda: [w["value"].clone()],
+                                           exchange=exchange), {"qkv/layer_1": 1})
+    seen = {}
+    for step in (2, 4, 6):
+        mon.begin_step(step)
+        w["value"] = w["value"] * 1.5
+        seen[step] = mon.end_step(step)
+    assert seen[2]["optim/update_sq/qkv/layer_1"] == pytest.approx(0.25 * 12)
+    assert seen[2]["optim/weight_sq/qkv/layer_1"] == pytest.approx(12)
+    assert seen[4]["optim/update_sq/qkv/layer_1"] is None
+    assert seen[6]["optim/update_sq/qkv/layer_1"] is None and mon.snapshot is None

@@ -191,6 +191,29 @@ def test_a_failing_read_is_counted_and_never_raises():
     assert monitor.coverage()["errors"] == 2 and monitor.coverage()["observed"] == 1
 
 
+def test_a_read_voided_by_the_exchange_flag_emits_nothing_and_keeps_the_older_snapshot():
+    # A sharded read's exchange reports a failure elsewhere as a device flag (no host read):
+    # that step is not observed and the snapshot it replaced comes back, so the next step
+    # diffs W(30) against W(10), as a monitor that never read step 20.
+    model = _Model(layers=(1,))
+    (source,) = model.sources()
+    clock = {"step": 0}
+    source.exchange = lambda rows: (rows, torch.tensor([clock["step"] == 20]))
+    monitor = QKUpdateMonitor(_config(), [source])
+    reference = QKUpdateMonitor(_config(), model.sources())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the 20-step window at step 30
+        for step in (10, 20, 30):
+            model.step()
+            clock["step"] = step
+            out = monitor.end_step(step)
+            expected = reference.end_step(step) if step != 20 else {}
+            assert out.keys() == expected.keys(), step
+            assert all(out[k] == pytest.approx(expected[k], rel=1e-9, abs=1e-12) for k in out)
+            assert monitor.snapshots[1]["step"] == (10 if step == 20 else step)
+    assert out and monitor.coverage()["observed"] == 1
+
+
 def test_resumed_monitor_continues_from_the_saved_snapshots():
     model_a = _Model(seed=4)
     model_b = _Model(seed=4)

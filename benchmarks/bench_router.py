@@ -35,7 +35,8 @@ import warnings
 
 import torch
 
-from mechmon_megatron.monitors.router import RouterMonitor, RoutingCapture
+from mechmon_megatron.monitors.router import RouterMonitor
+from mechmon_megatron.monitors.router_capture import RoutingCapture
 
 __all__ = ["main"]
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from mechmon_megatron.layouts.hf_attention import layer_number_of
-from mechmon_megatron.monitors.router import RouterSource, RoutingCapture
+from mechmon_megatron.monitors.router_capture import RouterSource, RoutingCapture
 
 __all__ = ["find_topk_gates", "router_group", "topk_gate_sources"]
 

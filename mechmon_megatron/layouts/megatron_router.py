@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.monitors.router import RouterSource, RoutingCapture
+from mechmon_megatron.monitors.router_capture import RouterSource, RoutingCapture
 
 __all__ = ["router_sources", "moe_layer_numbers"]
 

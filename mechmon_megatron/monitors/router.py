@@ -22,126 +22,26 @@ inference only in megatron-core) scale every count alike and leave every emitted
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.math.routing import (
-    TOKEN_STATS,
-    WEIGHT_STATS,
-    RoutingSums,
     empty_sums,
-    merge_sums,
     num_slots,
-    router_weight_stats,
     routing_stats,
-    routing_sums,
+)
+from mechmon_megatron.monitors.router_capture import (
+    BIAS_STAT,
+    RouterSource,
+    RoutingCapture,
+    router_signal_names,
+    weight_table,
 )
 
-__all__ = ["RouterSource", "RoutingCapture", "RouterMonitor", "router_signal_names"]
-
-BIAS_STAT = "expert_bias_norm"
-"""Signal of aux-loss-free balancing, emitted for routers with an expert bias."""
-
-_STACK_BYTES = 64 * 2**20
-"""Largest float64 stack of router weights measured at once."""
-
-
-class RoutingCapture:
-    """Per-layer recorder a framework wrapper calls after each routing decision.
-
-    The wrapper's contract: ``if capture.armed: capture(logits, routing_map, padding_mask)``
-    after the framework computed ``routing_map`` from ``logits``, returning the framework's
-    outputs unchanged. Unarmed, the wrapper costs one attribute test. Armed, a call with grad
-    disabled (evaluation, the no-grad first pass of reentrant activation recompute) only counts
-    as skipped, so each training token is recorded once. A call never raises: the first
-    exception is kept in :attr:`error` and poisons the layer for the step (its signals are NaN).
-
-    Attributes:
-        armed: set by the monitor on monitored steps.
-        sums: merged :class:`RoutingSums` of the step so far (``None`` before the first call).
-        calls: recorded calls this step.
-        skipped: calls with grad disabled this step.
-        error: first exception of this step, or ``None``.
-    """
-
-    def __init__(self, num_bins: int, score_function: str) -> None:
-        self.num_bins = num_bins
-        self.score_function = score_function
-        self.armed = False
-        self.reset()
-
-    def reset(self) -> None:
-        """Drop the step's sums and counters."""
-        self.sums: RoutingSums | None = None
-        self.calls = 0
-        self.skipped = 0
-        self.error: Exception | None = None
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        routing_map: torch.Tensor,
-        padding_mask: torch.Tensor | None = None,
-    ) -> None:
-        """Record one routing call.
-
-        Args:
-            logits: ``[s, b, E]`` or ``[T, E]`` router logits as routed.
-            routing_map: ``[T, E]`` bool, the experts the tokens were dispatched to.
-            padding_mask: optional ``[s, b]`` or ``[T]`` bool, True at padding tokens
-                (megatron-core convention); those tokens are not counted.
-        """
-        if not torch.is_grad_enabled():
-            self.skipped += 1
-            return
-        try:
-            with torch.no_grad():
-                valid_T = None if padding_mask is None else ~padding_mask.reshape(-1)
-                sums = routing_sums(
-                    logits, routing_map, self.num_bins, self.score_function, valid_T
-                )
-                self.sums = sums if self.sums is None else merge_sums(self.sums, sums)
-                self.calls += 1
-        except Exception as exc:  # noqa: BLE001 - never raise inside a training step
-            self.error = self.error or exc
-
-
-@dataclass
-class RouterSource:
-    """One MoE router held by this rank, as the integration layer sees it.
-
-    Attributes:
-        layer: global 1-based layer number (megatron ``layer_number``).
-        name: module path, for messages.
-        num_experts: ``E``, experts the router scores.
-        score_function: ``softmax`` or ``sigmoid``.
-        group: ranks that routed distinct tokens of this layer (megatron-core
-            ``router.tp_dp_cp_group``); every source of a monitor shares it.
-        read_weight: returns ``W_R`` ``[E, D]`` (a view; not modified).
-        read_expert_bias: returns the ``[E]`` expert bias of aux-loss-free balancing, or ``None``.
-        attach: installs ``capture`` on the router (wrapper contract in :class:`RoutingCapture`)
-            and returns a function that removes it.
-    """
-
-    layer: int
-    name: str
-    num_experts: int
-    score_function: str
-    group: comm.Group
-    read_weight: Callable[[], torch.Tensor]
-    read_expert_bias: Callable[[], torch.Tensor | None]
-    attach: Callable[[RoutingCapture], Callable[[], None]]
-
-
-def router_signal_names(layers: Sequence[int], expert_bias: bool) -> list[str]:
-    """Sorted ``router/<signal>/layer_<L>`` names of ``layers``."""
-    stats = list(TOKEN_STATS) + list(WEIGHT_STATS) + ([BIAS_STAT] if expert_bias else [])
-    return sorted(f"router/{stat}/layer_{layer}" for layer in set(layers) for stat in stats)
-
+__all__ = ["RouterMonitor"]
 
 class RouterMonitor:
     """Routing statistics of every MoE layer, reduced over the ranks that routed tokens.
@@ -363,43 +263,12 @@ class RouterMonitor:
 
     def _weight_table(self) -> tuple[list, list[str], list[bool], torch.Tensor] | None:
         """``(sources, keys, has bias, [L, K] table on the device)`` of the router-weight
-        geometry and expert-bias norms of the layers this DP rank computes (replicated over the
-        group: no reduction); None when it computes none.
-
-        Routers of equal shape are stacked and measured together, at most ``_STACK_BYTES`` of
-        float64 weights at a time (a DeepSeek-V3-sized router, 256 x 7168, is 14.7 MB).
-        """
+        geometry (and expert-bias norms) of the layers this DP rank computes (replicated over
+        the group: no reduction); None when it computes none."""
         sources = [s for s in self.sources if (s.layer - 1) % self.dp_size == self.dp_rank]
         if not sources:
             return None
-        weights = [s.read_weight() for s in sources]
-        rows_LK: list[torch.Tensor] = []
-        start = 0
-        while start < len(weights):
-            shape = weights[start].shape
-            per_layer = 8 * weights[start].numel()
-            stop = start + 1
-            while (
-                stop < len(weights)
-                and weights[stop].shape == shape
-                and (stop - start + 1) * per_layer <= _STACK_BYTES
-            ):
-                stop += 1
-            stats = router_weight_stats(torch.stack(weights[start:stop]))
-            rows_LK.append(torch.stack([stats[key] for key in WEIGHT_STATS], dim=1))
-            start = stop
-        table_LK = torch.cat(rows_LK)
-        keys = list(WEIGHT_STATS)
-        biased: list[bool] = []
-        if self.expert_bias:
-            zero = torch.zeros((), dtype=torch.float64, device=table_LK.device)
-            biases = [s.read_expert_bias() for s in sources]
-            biased = [b is not None for b in biases]
-            norms_L = [zero if b is None else torch.linalg.vector_norm(b.detach().to(zero))
-                       for b in biases]
-            table_LK = torch.cat([table_LK, torch.stack(norms_L).unsqueeze(1)], dim=1)
-            keys.append(BIAS_STAT)
-        return sources, keys, biased, table_LK
+        return (sources, *weight_table(sources, self.expert_bias))
 
     def _weight_signals(self, weights: tuple, values: list[float]) -> dict[str, float]:
         """Signals of :meth:`_weight_table` from the host copy of its table (row-major)."""

@@ -44,7 +44,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.math.routing import WEIGHT_STATS, router_weight_stats
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
-from mechmon_megatron.monitors.router import BIAS_STAT
+from mechmon_megatron.monitors.router_capture import BIAS_STAT
 from mechmon_megatron.scan.errors import ScanError
 from mechmon_megatron.scan.plan import ScanPlan
 from mechmon_megatron.scan.qk_rows import qk_rows

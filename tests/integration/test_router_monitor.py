@@ -22,7 +22,8 @@ from mechmon_megatron.math.routing import (
     routing_stats,
     routing_sums,
 )
-from mechmon_megatron.monitors.router import RouterMonitor, RouterSource, RoutingCapture
+from mechmon_megatron.monitors.router import RouterMonitor
+from mechmon_megatron.monitors.router_capture import RouterSource, RoutingCapture
 from tests._dist import run_distributed
 
 BINS = 32

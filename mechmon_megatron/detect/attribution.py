@@ -15,10 +15,10 @@ Ties on the onset step count as "within the window" (window 0 = the same onset s
 head numbers are parsed from the signal names (``.../layer_<L>[/head_<H>]``).
 
 Findings count for their signal's family, with one exception: when every ``optim`` finding is on
-the router's weight group (``optim/<stat>/router[/layer_<L>]``) or is a sharpness finding whose
-top eigenvector lives mostly in the router's weights (``locus == "router"``: in that sample the
-router holds the largest ``optim/sharpness/share/<group>`` of all groups, set by
-:func:`locate`), they count for ``router``. A
+the router's weight group (``optim/<stat>/router[/layer_<L>]``) or is located in the router
+(``locus == "router"``, set by :func:`locate`: a whole-model finding in a sample where the
+router's weights take the largest part of the squared update, or of the sharpness's top
+eigenvector), they count for ``router``. A
 learning-rate fault moves every weight group; updates too large, or curvature at the edge of
 stability, in the router's weights alone are a router-local fault, the way a router collapse
 begins.
@@ -99,20 +99,42 @@ def parse_location(signal: str) -> tuple[int | None, int | None]:
 
 SHARE = "optim/sharpness/share/"
 """Prefix of the top eigenvector's share in each weight group (``monitors/sharpness.py``)."""
+UPDATE_SQ = "optim/update_sq/"
+"""Prefix of each key's squared update ``|W1 - W0|_F^2`` (``monitors/optim.py``)."""
+
+
+def _router_leads(parts: Mapping[str, float]) -> bool:
+    """Whether group ``router`` holds more than every other group of ``parts``."""
+    parts = dict(parts)
+    router = parts.pop("router", math.nan)
+    return router > 0.0 and all(router > v for v in parts.values() if math.isfinite(v))
+
+
+def _group_sums(table: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """Finite values of ``<prefix><group>[/...]`` summed per weight group."""
+    out: dict[str, float] = {}
+    for k, v in table.items():
+        if k.startswith(prefix) and math.isfinite(v):
+            group = k[len(prefix):].split("/")[0]
+            out[group] = out.get(group, 0.0) + v
+    return out
 
 
 def locate(finding: Finding, table: Mapping[str, float]) -> Finding:
-    """``finding`` with ``locus = "router"`` when it is a sharpness finding and, in the same
-    sample, the router's weights hold a larger part of the top eigenvector than any other
-    weight group (the unstable mode lives mostly there; the router is ~1% of a model's weights
-    and holds a few percent of the mode in healthy training); unchanged otherwise."""
-    if not finding.signal.startswith("optim/sharpness/"):
+    """``finding`` with ``locus = "router"`` when it is a whole-model optimizer finding
+    (``optim/sharpness/*``, ``optim/update_ratio/all``) and, in the same sample, the router's
+    weights take more of the whole model's squared update than any other weight group (the
+    router's updates make the whole-model anomaly), or, for a sharpness finding, hold more of
+    the top eigenvector than any other group (the unstable mode lives there). The router is
+    ~1% of a model's weights; in healthy training and under a learning-rate fault, which scales
+    every group's steps alike, it takes under 2% of the leading group's squared update and a
+    few percent of the mode. Unchanged otherwise."""
+    sharpness = finding.signal.startswith("optim/sharpness/")
+    if not (sharpness or finding.signal == "optim/update_ratio/all"):
         return finding
-    shares = {k[len(SHARE):]: v for k, v in table.items() if k.startswith(SHARE)}
-    router = shares.pop("router", math.nan)
-    if router > 0.0 and all(router > v for v in shares.values() if math.isfinite(v)):
-        return replace(finding, locus="router")
-    return finding
+    led = _router_leads(_group_sums(table, UPDATE_SQ)) or (
+        sharpness and _router_leads(_group_sums(table, SHARE)))
+    return replace(finding, locus="router") if led else finding
 
 
 def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis:

@@ -67,7 +67,7 @@ def test_the_sharpness_bound_names_the_router_when_its_top_eigenvector_lives_the
                   {share: 0.0}, {}):  # elsewhere, or no estimate
         assert attribution.locate(eos, table).locus is None
         assert diagnose([attribution.locate(eos, table)]).fault_class == "lr"
-    # only sharpness findings are located; another group's update ratio keeps it `lr`
+    # a group's update ratio is not located by the mode: another group's keeps it `lr`
     ratio = _finding("optim/update_ratio/qkv", 300)
     assert attribution.locate(ratio, {share: 0.9}).locus is None
     assert diagnose([router, attribution.locate(ratio, {share: 0.9})]).fault_class == "lr"
@@ -84,6 +84,35 @@ def test_the_sharpness_bound_names_the_router_when_its_top_eigenvector_lives_the
     assert bounds and all(f.locus == "router" for f in bounds)
     assert bank.diagnosis().fault_class == "router_collapse"
     assert Finding(**bounds[0].to_dict()) == bounds[0]  # the locus survives the state round trip
+
+
+def test_the_whole_model_update_ratio_names_the_router_when_the_router_makes_its_update():
+    from mechmon_megatron.detect import attribution
+
+    def table(router: float, mlp: float) -> dict[str, float]:
+        sq = attribution.UPDATE_SQ  # per key: summed over the layers of each group
+        return {f"{sq}router/layer_1": router / 2, f"{sq}router/layer_2": router / 2,
+                f"{sq}mlp/layer_1": mlp / 2, f"{sq}mlp/layer_2": mlp / 2,
+                f"{sq}qkv/layer_1": 1.0, f"{sq}embedding": 2.0, f"{sq}norm": float("nan")}
+
+    ratio = _finding("optim/update_ratio/all", 300)
+    router_side = _finding("router/entropy_mean/layer_2", 300)
+    located = attribution.locate(ratio, table(router=40.0, mlp=3.0))
+    assert located.locus == "router"  # the router's updates make the whole-model ratio
+    assert diagnose([located, router_side]).fault_class == "router_collapse"
+    # every group's updates grown alike (a learning-rate fault): the router stays ~1%
+    for tab in (table(router=0.05, mlp=3.0), table(router=3.0, mlp=3.0), {}):
+        kept = attribution.locate(ratio, tab)
+        assert kept.locus is None
+        assert diagnose([kept, router_side]).fault_class == "compound"
+    # a sharpness finding in that sample too, even where the mode straddles groups
+    eos = _finding("optim/sharpness/eos_ratio", 300, detector="robust_z")
+    split = {f"{attribution.SHARE}router": 0.28, f"{attribution.SHARE}embedding": 0.33}
+    assert attribution.locate(eos, split).locus is None
+    assert attribution.locate(eos, {**split, **table(router=40.0, mlp=3.0)}).locus == "router"
+    # only the whole-model ratio is located by the update: a group's ratio keeps its group
+    qkv = _finding("optim/update_ratio/qkv", 300)
+    assert attribution.locate(qkv, table(router=40.0, mlp=3.0)).locus is None
 
 
 def test_global_only_is_a_global_fault():

@@ -17,7 +17,15 @@ Columns:
                  (target <= 0.5%)
     total        sum of step times on / off - 1 (whole runs; noisier)
 
-Usage: ``python benchmarks/bench_optim.py [--steps 1000] [--shapes 2x64,4x256]``.
+The probe's cost is a fixed number of sequences (``batch_size`` = 4, ``iters`` = 4 products of two
+gradients each: 32 sequence forward-backward passes per estimate), so its share of a step falls
+with the sequences a rank processes per step. ``--batches`` sets the per-step batch as
+``GLOBAL:MICRO`` (``data.global_batch_size`` : ``data.micro_batch_size``, 0 = one micro-batch):
+``16:0`` is the reference trainer's single 16-sequence micro-batch (the probe's worst case),
+``64:4`` a step of 16 micro-batches of 4 sequences (the order of a large job's per-rank step).
+
+Usage: ``python benchmarks/bench_optim.py [--steps 1000] [--shapes 2x64,4x256]
+[--batches 16:0,64:4]``.
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from typing import Any
 from mechmon_megatron.train.trainer import run
 
 
-def _config(out: str, steps: int, layers: int, width: int, optim_on: bool) -> dict[str, Any]:
+def _config(out: str, steps: int, layers: int, width: int, batch: tuple[int, int],
+            optim_on: bool) -> dict[str, Any]:
     mechmon: dict[str, Any] = {"enabled": optim_on, "qk": {"enabled": False},
                                "router": {"enabled": False},
                                "sinks": {"console": {"enabled": False}},
@@ -40,7 +49,8 @@ def _config(out: str, steps: int, layers: int, width: int, optim_on: bool) -> di
     return {"out_dir": out, "steps": steps, "log_interval": 0,
             "model": {"num_layers": layers, "hidden_size": width,
                       "num_attention_heads": max(1, width // 16), "seq_length": 64},
-            "data": {"global_batch_size": 16, "max_bytes": 2_000_000},
+            "data": {"global_batch_size": batch[0], "micro_batch_size": batch[1],
+                     "max_bytes": 2_000_000},
             "checkpoint": {"save_interval": 0, "save_at_end": False},
             "mechmon": mechmon}
 
@@ -50,12 +60,12 @@ def _rows(out: str, name: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def _measure(steps: int, layers: int, width: int) -> dict[str, float]:
+def _measure(steps: int, layers: int, width: int, batch: tuple[int, int]) -> dict[str, float]:
     times = {}
     with tempfile.TemporaryDirectory() as tmp:
         for on in (False, True):
             out = str(Path(tmp) / f"run_{on}")
-            run(_config(out, steps, layers, width, on))
+            run(_config(out, steps, layers, width, batch, on))
             times[on] = {r["step"]: r["step_s"] for r in _rows(out, "train.jsonl")}
             if on:
                 iters = [r["signals"].get("optim/sharpness/iters") for r in
@@ -76,15 +86,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--shapes", default="2x64,4x256", help="LAYERSxWIDTH,...")
+    parser.add_argument("--batches", default="16:0,64:4", help="GLOBAL:MICRO,...")
     args = parser.parse_args()
-    print("| shape | step ms | ratio ms | sharp ms | HVP ms | HVP/step | at defaults | total |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| shape | batch | step ms | ratio ms | sharp ms | HVP ms | HVP/step | at defaults "
+          "| total |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for shape in args.shapes.split(","):
         layers, width = (int(x) for x in shape.split("x"))
-        m = _measure(args.steps, layers, width)
-        print(f"| {shape} | {m['step']:.1f} | {m['ratio']:.1f} | {m['sharp']:.1f} | "
-              f"{m['hvp']:.1f} | {m['hvp_step']:.2f} | {100 * m['defaults']:.2f}% | "
-              f"{100 * m['total']:+.2f}% |", flush=True)
+        for text in args.batches.split(","):
+            batch = tuple(int(x) for x in text.split(":"))
+            m = _measure(args.steps, layers, width, batch)
+            print(f"| {shape} | {text} | {m['step']:.1f} | {m['ratio']:.1f} | {m['sharp']:.1f} | "
+                  f"{m['hvp']:.1f} | {m['hvp_step']:.2f} | {100 * m['defaults']:.2f}% | "
+                  f"{100 * m['total']:+.2f}% |", flush=True)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ class DataConfig:
     """Tail fraction of the byte stream held out for validation."""
     seed: int = 1234
     """Seed of the window offsets (batch ``i`` uses ``(seed, i)``)."""
+    micro_batch_size: int = 0
+    """Sequences per forward/backward on each rank: the rank's share of the batch is accumulated
+    over ``global_batch_size / (dp * micro_batch_size)`` micro-batches (0: one micro-batch)."""
     eval_interval: int = 0
     """Compute the validation loss every this many steps (0: never)."""
     eval_batches: int = 2
@@ -52,6 +55,8 @@ class DataConfig:
         require(self.max_bytes >= 4096, "max_bytes", self.max_bytes, "an integer >= 4096")
         require(0 < self.val_fraction < 0.5, "val_fraction", self.val_fraction,
                  "a number in (0, 0.5)")
+        require(self.micro_batch_size >= 0, "micro_batch_size", self.micro_batch_size,
+                "an integer >= 0")
         require(self.eval_interval >= 0, "eval_interval", self.eval_interval, "an integer >= 0")
         require(self.eval_batches > 0, "eval_batches", self.eval_batches, "an integer > 0")
 
@@ -102,6 +107,10 @@ class TextData:
         if config.global_batch_size % dp_size:
             raise ValueError(f"train.data.global_batch_size ({config.global_batch_size}) must be "
                              f"divisible by the data-parallel size ({dp_size})")
+        per_rank, micro = config.global_batch_size // dp_size, config.micro_batch_size
+        if micro and per_rank % micro:
+            raise ValueError(f"train.data.micro_batch_size ({micro}) must divide each rank's "
+                             f"share of the batch ({per_rank} = global_batch_size / {dp_size})")
         self.config = config
         self.seq_length = seq_length
         self.dp_rank, self.dp_size = dp_rank, dp_size

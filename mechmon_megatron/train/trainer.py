@@ -495,9 +495,7 @@ class _Trainer:
         keep = self.cfg.mechmon.optim.sharpness.batch_size or tokens_BS.shape[0]
         self.probe_batch = (tokens_BS[:keep], labels_BS[:keep])
         self.optimizer.zero_grad(set_to_none=False)
-        positions_BS = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
-        loss = self.model(tokens_BS, positions_BS, None, labels=labels_BS).float().mean()
-        loss.backward()
+        loss = self._forward_backward(tokens_BS, labels_BS)
         sync_grads(self.model)
         norm = _grad_norm(self.model)
         clip = self.cfg.optim.clip_grad
@@ -511,6 +509,21 @@ class _Trainer:
         if self.mon is not None:
             verdict = self.mon.end_step(step, loss=loss_dp, grad_norm=norm)
         return loss_dp, norm, verdict
+
+    def _forward_backward(self, tokens_BS: torch.Tensor, labels_BS: torch.Tensor,
+                          ) -> torch.Tensor:
+        """Mean loss of this rank's batch, gradients accumulated over its micro-batches
+        (``data.micro_batch_size``): each micro-batch's mean loss / their number."""
+        size = self.cfg.data.micro_batch_size or tokens_BS.shape[0]
+        parts = [(t, lab) for t, lab in zip(tokens_BS.split(size), labels_BS.split(size),
+                                            strict=True)]
+        total = None
+        for t_BS, l_BS in parts:
+            positions_BS = torch.arange(t_BS.shape[1]).expand_as(t_BS)
+            loss = self.model(t_BS, positions_BS, None, labels=l_BS).float().mean()
+            (loss if len(parts) == 1 else loss / len(parts)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        return total if len(parts) == 1 else total / len(parts)
 
     @torch.no_grad()
     def _val_loss(self) -> float:

@@ -50,6 +50,9 @@ def _reference(rank: int, world_size: int, tmp: str) -> dict:
     for name, model in (("dense", DENSE), ("moe", MOE)):
         run(_cfg(f"{tmp}/ref_{name}", 4, model, {}, QUIET))
         out[name] = _curves(f"{tmp}/ref_{name}")
+    run(_cfg(f"{tmp}/micro", 4, DENSE, {}, QUIET,
+             data={"global_batch_size": 4, "max_bytes": 200_000, "micro_batch_size": 2}))
+    out["micro"] = _curves(f"{tmp}/micro")
     return out
 
 
@@ -89,6 +92,20 @@ def test_tensor_parallel_2_gives_the_single_process_loss_and_grad_norm(runs):
     got, ref = runs["ranks"][0]["tp2"], runs["ref"]["dense"]
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_two_micro_batches_give_the_one_batch_loss_and_grad_norm(runs):
+    got, ref = runs["ref"]["micro"], runs["ref"]["dense"]
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-4)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(tmp_path):
+    from mechmon_megatron.train.trainer import run
+
+    data = {"global_batch_size": 4, "max_bytes": 200_000, "micro_batch_size": 3}
+    with pytest.raises(ValueError, match=r"train\.data\.micro_batch_size \(3\) must divide"):
+        run(_cfg(str(tmp_path), 1, DENSE, {}, QUIET, data=data))
 
 
 def test_expert_parallel_2_gives_the_single_process_loss_and_grad_norm(runs):

@@ -1,7 +1,8 @@
 """Preconditioned sharpness: top eigenvalue of ``D^1/2 H D^1/2`` by warm-started power iteration.
 
 Shape legend: a *vector* is a list of tensors shaped like this rank's parameters (its shards);
-``dot`` sums over every rank that holds part of the model, so all ranks see the same scalars.
+``dots`` evaluates a batch of inner products summed over every rank that holds part of the
+model (one reduction per batch), so all ranks see the same scalars.
 
 Adam at the edge of stability (Cohen et al. 2022, "Adaptive gradient methods at the edge of
 stability"; used by arXiv 2606.16768). With the preconditioner ``P = diag(sqrt(v_hat) + eps)``
@@ -44,6 +45,7 @@ import torch
 
 __all__ = [
     "Vector",
+    "Dots",
     "eos_threshold",
     "central_difference_hvp",
     "double_backward_hvp",
@@ -52,7 +54,8 @@ __all__ = [
 ]
 
 Vector = list[torch.Tensor]
-Dot = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], float]
+Dots = Callable[[Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]], list[float]]
+"""``[(u, v), ...] -> [u . v, ...]``: global inner products, one reduction per call."""
 
 
 def eos_threshold(beta1: float) -> float:
@@ -110,8 +113,8 @@ class PowerResult:
     """``|M v - value v| / |value|`` of the Ritz pair (how far from an eigenpair)."""
 
 
-def _norm(dot: Dot, v: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(max(dot(v, v), 0.0))
+def _norm(dots: Dots, v: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(max(dots([(v, v)])[0], 0.0))
 
 
 def _combine(basis: Sequence[Vector], coef: Sequence[float]) -> Vector:
@@ -119,10 +122,20 @@ def _combine(basis: Sequence[Vector], coef: Sequence[float]) -> Vector:
             for i in range(len(basis[0]))]
 
 
+def _orthogonalise(x: Vector, basis: Sequence[Vector], dots: Dots) -> Vector:
+    """``x`` minus its projection on the orthonormal ``basis``: classical Gram-Schmidt applied
+    twice ("twice is enough"), each pass one batched call of ``dots``."""
+    for _ in range(2):
+        coef = dots([(b, x) for b in basis])
+        x = [t - sum(c * b[i] for c, b in zip(coef, basis, strict=True))
+             for i, t in enumerate(x)]
+    return x
+
+
 def power_iteration(
     matvec: Callable[[Vector], Vector],
     v0: Sequence[torch.Tensor],
-    dot: Dot,
+    dots: Dots,
     iters: int,
     tol: float = 0.0,
 ) -> PowerResult:
@@ -132,53 +145,53 @@ def power_iteration(
     Rayleigh-Ritz on it (Lanczos with full re-orthogonalisation, ``k <= iters`` vectors kept)
     returns the largest *algebraic* Ritz value, so a Hessian with large negative curvature does
     not capture the estimate (plain power iteration converges to the largest magnitude).
+    Each product adds one row and column to the projected matrix ``V^T M V`` (``2k - 1`` inner
+    products in one call of ``dots``) and two calls re-orthogonalise, one normalises: four
+    reductions per product, whatever ``k``.
 
-    Every rank calls ``matvec`` and ``dot`` the same number of times (the stop rule reads only
-    values that ``dot`` made identical on every rank), so collectives inside them stay paired.
+    Every rank calls ``matvec`` and ``dots`` the same number of times (the stop rule reads only
+    values that ``dots`` made identical on every rank), so collectives inside them stay paired.
 
     Args:
         matvec: ``v -> M v`` (may be collective).
         v0: start vector (any non-zero scale; the last Ritz vector for a warm start).
-        dot: global inner product.
+        dots: batched global inner products (:data:`Dots`).
         iters: maximum products (basis size), >= 1.
         tol: stop once the top Ritz value changes by less than ``tol`` relative.
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    n0 = _norm(dot, v0)
+    n0 = _norm(dots, v0)
     if not math.isfinite(n0) or n0 == 0.0:
         raise ValueError("power_iteration: start vector is zero or not finite")
     basis: list[Vector] = [[t / n0 for t in v0]]
     images: list[Vector] = []
+    gram = torch.zeros(iters, iters, dtype=torch.float64)
     value, prev = math.nan, math.nan
     coef: list[float] = [1.0]
     for _ in range(iters):
         mv = matvec(basis[-1])
         images.append(mv)
         k = len(basis)
-        gram = torch.tensor([[dot(basis[i], images[j]) for j in range(k)] for i in range(k)],
-                            dtype=torch.float64)
-        if not bool(gram.isfinite().all()):
+        new = dots([(b, mv) for b in basis] + [(basis[-1], m) for m in images[:-1]])
+        gram[:k, k - 1] = torch.tensor(new[:k], dtype=torch.float64)
+        gram[k - 1, :k - 1] = torch.tensor(new[k:], dtype=torch.float64)
+        sub = gram[:k, :k]
+        if not bool(sub.isfinite().all()):
             return PowerResult(math.nan, basis[0], len(images), math.nan)
-        evals, evecs = torch.linalg.eigh((gram + gram.T) / 2)
+        evals, evecs = torch.linalg.eigh((sub + sub.T) / 2)
         value, coef = float(evals[-1]), evecs[:, -1].tolist()
         done = math.isfinite(prev) and abs(value - prev) <= tol * abs(value)
         prev = value
         if done or len(images) == iters:
             break
-        nxt = list(mv)
-        for b in basis:  # full re-orthogonalisation (twice is enough)
-            c = dot(b, nxt)
-            nxt = [x - c * y for x, y in zip(nxt, b, strict=True)]
-        for b in basis:
-            c = dot(b, nxt)
-            nxt = [x - c * y for x, y in zip(nxt, b, strict=True)]
-        norm = _norm(dot, nxt)
+        nxt = _orthogonalise(list(mv), basis, dots)
+        norm = _norm(dots, nxt)
         if not norm > 1e-12 * max(abs(value), 1e-300):
             break  # the Krylov space is invariant: the Ritz value is exact
         basis.append([t / norm for t in nxt])
     vec = _combine(basis[:len(coef)], coef)
     mvec = _combine(images[:len(coef)], coef)
     res = [a - value * b for a, b in zip(mvec, vec, strict=True)]
-    residual = _norm(dot, res) / max(abs(value), 1e-300)
+    residual = _norm(dots, res) / max(abs(value), 1e-300)
     return PowerResult(value, vec, len(images), residual)

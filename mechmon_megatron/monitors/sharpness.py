@@ -15,8 +15,9 @@ state and restores the training RNG, the module modes and the data position. Tra
 probe on is bitwise equal to training with it off (tests/integration/test_optim_monitor.py).
 
 Collectives: the integration's gradient synchronisation (the same reductions as training) and
-one scalar SUM all-reduce per inner product over ``group``; the number of calls depends only on
-values that are identical on every rank.
+one SUM all-reduce per batch of inner products over ``group`` (five per product: the
+finite-difference step's norm and the power iteration's four); the number of calls depends only
+on values that are identical on every rank.
 """
 
 from __future__ import annotations
@@ -128,16 +129,21 @@ class CurvatureProbe:
     gradient: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
     weights: Callable[[], list[torch.Tensor]] | None = None
 
-    def dot(self, u: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> float:
-        """Global inner product over owned elements: summed on the vectors' device, one scalar
-        SUM all-reduce, one device-to-host transfer."""
+    def dots(self, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+             ) -> list[float]:
+        """Global inner products ``[u . v, ...]`` over owned elements: each summed on the
+        vectors' device in parameter order, one SUM all-reduce and one device-to-host transfer
+        for the whole batch."""
         acc = None
-        for own, a, b in zip(self.owned, u, v, strict=True):
-            if own:  # summed in order, on the device (no transfer per parameter)
-                part = torch.dot(a.reshape(-1).double(), b.reshape(-1).double()).reshape(1)
-                acc = part if acc is None else acc + part.to(acc.device)
-        acc = torch.zeros(1, dtype=torch.float64) if acc is None else acc
-        return float(comm.all_reduce_sum(acc, self.group).item())
+        for j, (u, v) in enumerate(pairs):
+            for own, a, b in zip(self.owned, u, v, strict=True):
+                if own:
+                    part = torch.dot(a.reshape(-1).double(), b.reshape(-1).double())
+                    if acc is None:
+                        acc = torch.zeros(len(pairs), dtype=torch.float64, device=part.device)
+                    acc[j] += part.to(acc.device)
+        acc = torch.zeros(len(pairs), dtype=torch.float64) if acc is None else acc
+        return comm.all_reduce_sum(acc, self.group).tolist()
 
 
 class SharpnessEstimator:
@@ -198,8 +204,9 @@ class SharpnessEstimator:
         the probe's group (its products run the model's own forward/backward collectives)."""
         state, scale, params, start = self._inputs
         self._inputs = None
-        weight_norm = math.sqrt(max(self.probe.dot(params, params), 0.0))
-        if not self.probe.dot(start, start) > 0.0:
+        weight_sq, start_sq = self.probe.dots([(params, params), (start, start)])
+        weight_norm = math.sqrt(max(weight_sq, 0.0))
+        if not start_sq > 0.0:
             start = [s.clone() for s in scale]
 
         def matvec(v: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -207,7 +214,7 @@ class SharpnessEstimator:
             hu = self._hvp(params, u, weight_norm)
             return [s * t for s, t in zip(scale, hu, strict=True)]
 
-        result: PowerResult = power_iteration(matvec, start, self.probe.dot,
+        result: PowerResult = power_iteration(matvec, start, self.probe.dots,
                                               int(self.config.iters), float(self.config.tol))
         dtype = torch.bfloat16 if self.config.vector_dtype == "bf16" else torch.float32
         if math.isfinite(result.value):
@@ -278,6 +285,6 @@ class SharpnessEstimator:
             points = [p.clone().requires_grad_(True) for p in params]
             loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
             return self.probe.reduce_grads(double_backward_hvp(loss, points, u))
-        u_norm = math.sqrt(max(self.probe.dot(u, u), 0.0))
+        u_norm = math.sqrt(max(self.probe.dots([(u, u)])[0], 0.0))
         h = float(self.config.fd_scale) * weight_norm / max(u_norm, 1e-30)
         return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h)

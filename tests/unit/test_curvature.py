@@ -91,17 +91,40 @@ def test_both_hvps_match_an_explicit_hessian_to_1e_6() -> None:
     assert (db - exact).norm() / exact.norm() < 1e-10
 
 
+def _dots(pairs: list) -> list[float]:
+    return [float(a[0] @ b[0]) for a, b in pairs]
+
+
 def test_power_iteration_finds_the_top_eigenvalue_of_a_symmetric_matrix() -> None:
     gen = torch.Generator().manual_seed(3)
     q, _ = torch.linalg.qr(torch.randn(30, 30, generator=gen, dtype=torch.float64))
     eig = torch.cat([torch.tensor([10.0, 6.0]), torch.rand(28, generator=gen).double() * 4 - 2])
     mat = q @ torch.diag(eig) @ q.T
     res = power_iteration(lambda v: [mat @ v[0]], [torch.ones(30, dtype=torch.float64)],
-                          lambda a, b: float(a[0] @ b[0]), iters=60, tol=0.0)
+                          _dots, iters=60, tol=0.0)
     assert res.value == pytest.approx(10.0, rel=1e-6)
-    warm = power_iteration(lambda v: [mat @ v[0]], res.vector, lambda a, b: float(a[0] @ b[0]),
-                           iters=2)
+    warm = power_iteration(lambda v: [mat @ v[0]], res.vector, _dots, iters=2)
     assert warm.value == pytest.approx(10.0, rel=1e-6) and warm.iters <= 2
+
+
+def test_power_iteration_makes_four_reductions_per_product_whatever_the_basis_size() -> None:
+    gen = torch.Generator().manual_seed(5)
+    mat = torch.randn(40, 40, generator=gen, dtype=torch.float64)
+    mat = mat + mat.T
+    calls = []
+
+    def counted(pairs: list) -> list[float]:
+        calls.append(len(pairs))
+        return _dots(pairs)
+
+    for iters in (1, 4, 8):
+        calls.clear()
+        power_iteration(lambda v: [mat @ v[0]], [torch.ones(40, dtype=torch.float64)], counted,
+                        iters=iters, tol=0.0)
+        # start norm, 3 per product before the last (projected row/column, two
+        # re-orthogonalisation passes) + its norm, the last product's row/column, the residual
+        assert len(calls) == 4 * iters - 1
+        assert max(calls) == max(2 * iters - 1, 1)  # the batched row and column of V^T M V
 
 
 def _adam_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

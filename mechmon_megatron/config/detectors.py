@@ -202,9 +202,15 @@ def _fp8_family() -> FamilyDetectorConfig:
 
 
 def _global_family() -> FamilyDetectorConfig:
+    # Loss and grad norm drift by design (the loss falls and plateaus, the grad norm rises as
+    # the LR decays): a CUSUM accumulates the schedule's slow drift (a healthy 1-layer run with
+    # cosine decay raised one as the grad norm rose from 1.3 to 2.0 over 600 steps) and names
+    # `global` before the mechanism families that see a fault (FP8 attention). Sudden jumps
+    # (robust z with persistence) and a non-finite loss stay alarms of this family.
     return FamilyDetectorConfig(
         signals=["global/loss", "global/grad_norm"],
         direction="up",
+        cusum=CusumConfig(enabled=False),
         baseline=BaselineConfig(mode="tracked", track_rate=0.02),
     )
 

@@ -515,8 +515,7 @@ class _Trainer:
         """Mean loss of this rank's batch, gradients accumulated over its micro-batches
         (``data.micro_batch_size``): each micro-batch's mean loss / their number."""
         size = self.cfg.data.micro_batch_size or tokens_BS.shape[0]
-        parts = [(t, lab) for t, lab in zip(tokens_BS.split(size), labels_BS.split(size),
-                                            strict=True)]
+        parts = list(zip(tokens_BS.split(size), labels_BS.split(size), strict=True))
         total = None
         for t_BS, l_BS in parts:
             positions_BS = torch.arange(t_BS.shape[1]).expand_as(t_BS)

@@ -117,9 +117,9 @@ class FamilyDetectorConfig:
     signal_bounds: dict[str, BoundsConfig] = field(default_factory=dict)
     """Absolute bounds of the signals matching a pattern (first match), instead of ``bounds``."""
     peer_signals: list[str] = field(default_factory=list)
-    """Signals (patterns) judged against their peers: each sample's relative departure from the
-    median of the same signal over all layers at that step (a fault is local, a schedule moves
-    every layer; detect/peers.py)."""
+    """Positive signals (patterns) judged against their peers: each sample's log-ratio to the
+    median of the same signal over the other layers at that step, judged from the pack (a fault
+    is local, a schedule moves every layer; detect/peers.py)."""
     baseline: BaselineConfig | None = None
     """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
     defaults); null: use ``detectors.baseline``."""
@@ -151,8 +151,8 @@ def _attn_family() -> FamilyDetectorConfig:
         direction="down",
         directions={"attn/coherence/**": "up"},
         peer_signals=list(_ATTN_ENTROPIES),
-        # Peer departures are fractions of the peers' level and the cosine lives in [-1, 1]:
-        # a scale floor of 0.02 (2% of the level, 0.02 in cosine) keeps the small wobbles of
+        # Peer log-ratios are scale-free and the cosine lives in [-1, 1]: a scale floor of
+        # 0.02 (2% of the peers' level, 0.02 in cosine) keeps the small wobbles of
         # a short warm-up from reading as large z; slow drift of the peer offsets is tracked.
         baseline=BaselineConfig(mode="tracked", track_rate=0.02, min_abs_scale=0.02),
     )

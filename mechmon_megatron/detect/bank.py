@@ -48,7 +48,7 @@ from mechmon_megatron.detect.detectors import (
     ZSpike,
     orient,
 )
-from mechmon_megatron.detect.peers import LAYER, PeerGroups
+from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 
 __all__ = ["DetectorBank", "SignalChannel", "compile_pattern"]
 
@@ -213,12 +213,10 @@ class DetectorBank:
                         if name.startswith(family + "/") and any(p.match(name) for p in patterns)]
             _warn_unmatched(family, fam, names)
         self.thresholds: dict[str, dict[str, float]] = {}
-        peer_names = []
+        self.peers = PeerGroups(name for name, _, fam in watched
+                                if any(compile_pattern(p).match(name) for p in fam.peer_signals))
         for name, family, fam in watched:
             self._family_channel(name, family, self._resolved(fam, family, len(watched)))
-            if any(compile_pattern(p).match(name) for p in fam.peer_signals):
-                peer_names.append(name)
-        self.peers = PeerGroups(peer_names)
         if config.global_.enabled and LOSS in names:
             self._channel(LOSS).detectors.append(NonFinite(LOSS, "global"))
         cmp = config.baselines
@@ -256,7 +254,9 @@ class DetectorBank:
             (d for p, d in fam.directions.items() if compile_pattern(p).match(name)),
             fam.direction,
         )
-        baseline = Baseline(fam.baseline or self.config.baseline, self.config.warmup_samples)
+        config, warmup = fam.baseline or self.config.baseline, self.config.warmup_samples
+        baseline = (PackBaseline(config, warmup, direction) if name in self.peers
+                    else Baseline(config, warmup))
         channel = SignalChannel(name, family, self.config.start_step + (fam.start_delay or 0),
                                 baseline, direction, fam.robust_z.threshold)
         if fam.robust_z.enabled:

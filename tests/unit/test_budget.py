@@ -20,7 +20,7 @@ from mechmon_megatron.detect.budget import (
     robust_z_threshold,
     warmup_scale_factor,
 )
-from mechmon_megatron.detect.peers import PeerGroups
+from mechmon_megatron.detect.peers import FLOOR, PeerGroups
 
 
 def test_per_sample_probability_splits_the_budget_over_signals_and_samples():
@@ -202,12 +202,55 @@ def test_peers_remove_a_shift_shared_by_every_layer_and_keep_a_local_one():
     assert "attn/delta2/entropy/layer_9/head_0" not in peers
     shared = peers.transform({names[0]: 1.5, names[1]: 1.6, names[2]: 1.4})
     local = peers.transform({names[0]: 1.5, names[1]: 0.6, names[2]: 1.4})
-    assert shared[names[1]] == pytest.approx(0.15 / 1.45)
-    assert local[names[1]] == pytest.approx(-0.85 / 1.45)
+    assert shared[names[1]] == pytest.approx(math.log(1.6 / 1.45))
+    assert local[names[1]] == pytest.approx(math.log(0.6 / 1.45))
     nan = peers.transform({names[0]: float("nan"), names[1]: 1.0, names[2]: math.inf})
     assert math.isnan(nan[names[0]]) and math.isnan(nan[names[1]]) and nan[names[2]] == math.inf
     alone = peers.transform({names[0]: 2.0, names[1]: 1.0})
-    assert alone[names[0]] == pytest.approx(1.0) and alone[names[1]] == pytest.approx(-0.5)
+    assert alone[names[0]] == pytest.approx(math.log(2)) == -alone[names[1]]
+    collapsed = peers.transform({names[0]: 1.5, names[1]: 0.0, names[2]: 1.4})
+    assert collapsed[names[1]] == pytest.approx(math.log(FLOOR / 1.45))
+
+
+def _pack_bank(direction: str) -> tuple[DetectorBank, list[str]]:
+    """Two layers of one peer signal, a tracked baseline over 5 warm-up samples."""
+    names = [f"attn/layer_delta2/entropy/layer_{i}" for i in (1, 2)]
+    cfg = load_config({"detectors": {"warmup_samples": 5, "attn": {
+        "signals": ["attn/layer_delta2/entropy/layer_*"], "direction": direction,
+        "peer_signals": ["attn/layer_delta2/entropy/layer_*"]}}})
+    return DetectorBank(cfg, names), names
+
+
+@pytest.mark.parametrize("direction", ["down", "up"])
+def test_a_layer_rejoining_its_peers_is_not_a_departure_leaving_them_is(direction: str) -> None:
+    """Layer 1 sits 40% beyond layer 2 on the benign side during warm-up (above it for a down
+    signal), then rejoins it: silent, though its log-ratio moves by 12 warm-up scales. The same
+    layer then falls as far past the pack on the alarm side: the alarm follows."""
+    bank, (one, two) = _pack_bank(direction)
+    benign, sign = (1.4, -1.0) if direction == "down" else (1 / 1.4, 1.0)
+    wobble = [1.0, 1.01, 0.99, 1.02, 0.98]
+    findings = []
+    for step, w in enumerate(wobble * 2):
+        findings += bank.update(step, {one: 2.0 * (benign if step < 5 else 1.0) * w, two: 2.0})
+    assert -sign * bank.channels[one].baseline.location > 0.25  # still beyond the pack
+    assert not [f for f in findings if f.alarm]
+    for step in range(10, 20):
+        findings += bank.update(step, {one: 2.0 * math.exp(sign * 0.5), two: 2.0})
+    alarms = [f for f in findings if f.alarm]
+    assert alarms and alarms[0].signal == one and alarms[0].step < 15
+
+
+def test_a_layer_on_the_alarm_side_of_its_peers_keeps_its_offset() -> None:
+    """A layer that sits 40% below its peers (down signal) is judged from its own offset:
+    holding there is silent, falling 40% further alarms."""
+    bank, (one, two) = _pack_bank("down")
+    findings = []
+    for step, w in enumerate([1.0, 1.01, 0.99, 1.02, 0.98] * 2):
+        findings += bank.update(step, {one: 2.0 / 1.4 * w, two: 2.0})
+    assert not [f for f in findings if f.alarm]
+    for step in range(10, 20):
+        findings += bank.update(step, {one: 2.0 / 1.4 ** 2, two: 2.0})
+    assert [f for f in findings if f.alarm and f.signal == one]
 
 
 def test_the_warm_up_scale_correction_never_compounds_and_reaches_old_states():

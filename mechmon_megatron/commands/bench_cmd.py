@@ -90,7 +90,8 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     """Run the benchmark; one row per interval (see the module docstring)."""
     from mechmon_megatron import comm
     from mechmon_megatron.integrations.megatron_core import attach
-    from mechmon_megatron.train.trainer import _Trainer, load_train_config
+    from mechmon_megatron.train.train_config import load_train_config
+    from mechmon_megatron.train.trainer import _Trainer
 
     cfg = load_train_config({
         "steps": args.steps * (len(args.intervals) + 1), "log_interval": 0,

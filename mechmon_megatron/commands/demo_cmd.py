@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron(\.|$)")
     from mechmon_megatron.alarm import ALARM_FILENAME
     from mechmon_megatron.train.plot import plot_run
-    from mechmon_megatron.train.trainer import load_train_config
+    from mechmon_megatron.train.train_config import load_train_config
     from mechmon_megatron.train.trainer import run as train
 
     out = Path(args.out)

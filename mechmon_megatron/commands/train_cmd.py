@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     """Train; returns the run's exit code."""
     import dataclasses
 
-    from mechmon_megatron.train.trainer import load_train_config
+    from mechmon_megatron.train.train_config import load_train_config
     from mechmon_megatron.train.trainer import run as train
 
     cfg = load_train_config(args.config)

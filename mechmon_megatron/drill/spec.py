@@ -64,7 +64,7 @@ from mechmon_megatron.faults.config import (
 )
 from mechmon_megatron.train.data import DataConfig
 from mechmon_megatron.train.model import ModelSpec, ParallelSpec
-from mechmon_megatron.train.trainer import OptimConfig
+from mechmon_megatron.train.train_config import OptimConfig
 
 __all__ = [
     "ROOT",

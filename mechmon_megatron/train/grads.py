@@ -14,15 +14,20 @@ reductions itself, in a fixed order on every rank:
    scaled by 1/DP. Expert parallelism is carved out of DP and the dispatcher already brought
    every DP rank's tokens to the expert, so its local gradient is a sum over EP ranks' losses;
    the loss is a mean over all DP ranks, hence 1/DP, not 1/expert-DP (as megatron's DDP).
+
+Then :func:`grad_norm` gives the global gradient norm the trainer clips by, the same on every
+rank.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from mechmon_megatron import comm
 
-__all__ = ["sync_grads"]
+__all__ = ["sync_grads", "grad_norm"]
 
 
 def _flat_reduce(
@@ -56,3 +61,32 @@ def sync_grads(model: torch.nn.Module) -> None:
     _flat_reduce(dense, dp_group, 1.0 / comm.world_size(dp_group))
     edp_group = ps.get_expert_data_parallel_group()
     _flat_reduce(expert, edp_group, 1.0 / comm.world_size(dp_group), always_scale=True)
+
+
+def grad_norm(model: torch.nn.Module) -> float:
+    """Global L2 norm of the gradient, identical on every rank (one world SUM all-reduce).
+
+    After :func:`sync_grads` a dense gradient is the same on every DP rank and, unless it is
+    TP-sharded, on every TP rank; an expert gradient is the same on every expert-DP rank and,
+    unless sharded, on every expert-TP rank. Each rank adds the squares of the elements it owns
+    (DP index 0, and TP index 0 for a replicated parameter; the expert groups likewise), so the
+    world sum counts every distinct element exactly once.
+    """
+    from megatron.core import parallel_state as ps
+
+    dense_owner = ps.get_data_parallel_rank() == 0
+    tp_first = ps.get_tensor_model_parallel_rank() == 0
+    expert_owner = ps.get_expert_data_parallel_rank() == 0
+    etp_first = ps.get_expert_tensor_parallel_rank() == 0
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sharded = getattr(p, "tensor_model_parallel", False)
+        if getattr(p, "allreduce", True):
+            owned = dense_owner and (sharded or tp_first)
+        else:
+            owned = expert_owner and (sharded or etp_first)
+        if owned:
+            sq += p.grad.double().pow(2).sum()
+    return math.sqrt(comm.all_reduce_sum(sq).item())

@@ -36,185 +36,20 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any
 
 import torch
-import yaml
 
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import jsonable
-from mechmon_megatron.config import MechMonConfig, load_config, overlay, require
 from mechmon_megatron.detect.schedule import resolve_schedule
-from mechmon_megatron.faults.config import FaultConfig
-from mechmon_megatron.train.data import DataConfig, TextData
-from mechmon_megatron.train.model import ModelSpec, ParallelSpec
+from mechmon_megatron.train.data import TextData
+from mechmon_megatron.train.state import CheckpointState
+from mechmon_megatron.train.train_config import TrainConfig, load_train_config, lr_factor
 
-__all__ = [
-    "OptimConfig",
-    "CheckpointConfig",
-    "TrainConfig",
-    "RunResult",
-    "load_train_config",
-    "lr_factor",
-    "run",
-]
-
-ROOT = "train"
-
-
-@dataclass
-class OptimConfig:
-    """Adam, gradient clipping and the learning-rate schedule."""
-
-    lr: float = 3e-3
-    """Peak learning rate (after warm-up)."""
-    min_lr: float = 3e-4
-    """Final learning rate of the cosine schedule."""
-    warmup_steps: int = 20
-    """Linear warm-up from lr / warmup_steps to lr."""
-    schedule: Literal["cosine", "constant"] = "cosine"
-    """After warm-up: cosine decay to ``min_lr`` at ``train.steps``, or constant ``lr``."""
-    beta1: float = 0.9
-    """Adam beta1."""
-    beta2: float = 0.95
-    """Adam beta2."""
-    eps: float = 1e-8
-    """Adam epsilon."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay (AdamW) of every group."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this (0: no clipping; the norm is still reported)."""
-    router_lr_multiplier: float = 1.0
-    """Static LR ratio of the MoE router param group (the router fault multiplies on top)."""
-
-    def __post_init__(self) -> None:
-        require(self.lr > 0, "lr", self.lr, "a number > 0")
-        require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, "a number in [0, lr]")
-        require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
-        require(self.clip_grad >= 0, "clip_grad", self.clip_grad, "a number >= 0")
-        require(self.router_lr_multiplier > 0, "router_lr_multiplier",
-                 self.router_lr_multiplier, "a number > 0")
-
-
-@dataclass
-class CheckpointConfig:
-    """Where checkpoints go and which one to resume from."""
-
-    save_dir: str | None = None
-    """Save directory; null: ``<out_dir>/checkpoints``."""
-    save_interval: int = 0
-    """Save every this many steps (0: only on an alarm and, with ``save_at_end``, at the end)."""
-    save_at_end: bool = True
-    """Save after the last step (not after an alarm exit or a divergence stop)."""
-    load: str | None = None
-    """Resume from this iteration directory or save directory (its latest); null: fresh."""
-
-    def __post_init__(self) -> None:
-        require(self.save_interval >= 0, "save_interval", self.save_interval, "an integer >= 0")
-
-
-@dataclass
-class TrainConfig:
-    """Everything ``mechmon train --config FILE`` reads (keys of the YAML file)."""
-
-    out_dir: str = "runs/train"
-    """Run directory: train.jsonl, metrics.jsonl, run.json, checkpoints; mechmon's
-    ``output_dir`` is set to it."""
-    steps: int = 300
-    """Last training step (a resumed run continues up to it)."""
-    attention: Literal["local", "bf16_flash", "fp8_flash"] = "local"
-    """Core attention of every layer: megatron's local kernel or the bf16 flash emulation (a
-    healthy baseline of an attention drill uses ``bf16_flash`` to match the faulty run), or the
-    FP8 flash emulation with matched delta and delayed scaling (history 16; the healthy
-    baseline of an ``fp8_attention`` drill)."""
-    threads: int = 1
-    """torch intra-op threads per rank on CPU (0: torch's default). One thread is fastest for
-    the tiny models here, and ranks sharing cores do not oversubscribe them."""
-    log_interval: int = 10
-    """Print a progress line every this many steps when ``progress`` is off (0: never)."""
-    progress: bool = False
-    """Show a tqdm progress bar on rank 0."""
-    run_past_alarm: bool = False
-    """Keep training after an alarm's exit request (the demo shows the divergence the alarm
-    predicted); the alarm's exit code is still returned."""
-    stop_at_divergence: bool = False
-    """End the run at the divergence step (no final checkpoint)."""
-    divergence_margin: float = 1.0
-    """Nats by which the loss EMA must exceed its minimum to count as diverged."""
-    model: ModelSpec = field(default_factory=ModelSpec)
-    """Tiny GPT shape (``mechmon_megatron.train.model.ModelSpec``)."""
-    parallel: ParallelSpec = field(default_factory=ParallelSpec)
-    """TP / EP sizes (DP is the rest of the world; PP must be 1)."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer and schedule."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """Corpus and batches."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Saving and resuming."""
-    fault: FaultConfig = field(default_factory=FaultConfig)
-    """Fault to inject (``mechmon_megatron.faults``)."""
-    mechmon: MechMonConfig = field(default_factory=MechMonConfig)
-    """The mechmon configuration (same schema as ``--mechmon-config``; ``preset:`` allowed)."""
-
-    def __post_init__(self) -> None:
-        require(self.steps > 0, "steps", self.steps, "an integer > 0")
-        require(self.threads >= 0, "threads", self.threads, "an integer >= 0")
-        require(self.log_interval >= 0, "log_interval", self.log_interval, "an integer >= 0")
-        require(self.divergence_margin > 0, "divergence_margin", self.divergence_margin,
-                 "a number > 0")
-        require(self.parallel.pp == 1, "parallel.pp", self.parallel.pp,
-                 "1 (the reference trainer has no pipeline schedule)")
-
-    def save_dir(self) -> str:
-        """The checkpoint save directory."""
-        return self.checkpoint.save_dir or os.path.join(self.out_dir, "checkpoints")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain nested dict with YAML keys (``load_train_config`` reads it back)."""
-        data = jsonable(dataclasses.replace(self, mechmon=MechMonConfig()))
-        data["mechmon"] = self.mechmon.to_dict()
-        return data
-
-
-def load_train_config(source: str | os.PathLike[str] | Mapping[str, Any] | TrainConfig
-                      | None = None) -> TrainConfig:
-    """Strictly load a trainer config: a YAML/JSON file, a mapping or a config.
-
-    The ``mechmon:`` section goes through :func:`mechmon_megatron.config.load_config` (so a
-    ``preset:`` key works there); the rest overlays :class:`TrainConfig`'s defaults.
-
-    Raises:
-        ValueError: an unknown key or invalid value, naming its dotted path
-            (``train.optim.lr: ...``, ``mechmon.qk.interval: ...``).
-    """
-    if isinstance(source, TrainConfig):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        text = Path(source).read_text()
-        data = json.loads(text) if str(source).endswith(".json") else yaml.safe_load(text)
-    else:
-        data = source
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ValueError(f"{ROOT}: invalid value {data!r}; allowed: a mapping")
-    data = dict(data)
-    mechmon = load_config(data.pop("mechmon", None))
-    return dataclasses.replace(overlay(TrainConfig(), data, ROOT), mechmon=mechmon)
-
-
-def lr_factor(optim: OptimConfig, steps: int, step: int) -> float:
-    """LR at ``step`` divided by ``optim.lr``: linear warm-up, then cosine to min_lr or 1."""
-    if step <= optim.warmup_steps:
-        return step / max(1, optim.warmup_steps)
-    if optim.schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, steps - optim.warmup_steps))
-    floor = optim.min_lr / optim.lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
+__all__ = ["RunResult", "run"]
 
 @dataclass
 class RunResult:
@@ -290,36 +125,7 @@ class _JsonLines:
             self._fh = None
 
 
-def _grad_norm(model: torch.nn.Module) -> float:
-    """Global L2 norm of the gradient, identical on every rank (one world SUM all-reduce).
-
-    After :func:`sync_grads` a dense gradient is the same on every DP rank and, unless it is
-    TP-sharded, on every TP rank; an expert gradient is the same on every expert-DP rank and,
-    unless sharded, on every expert-TP rank. Each rank adds the squares of the elements it owns
-    (DP index 0, and TP index 0 for a replicated parameter; the expert groups likewise), so the
-    world sum counts every distinct element exactly once.
-    """
-    from megatron.core import parallel_state as ps
-
-    dense_owner = ps.get_data_parallel_rank() == 0
-    tp_first = ps.get_tensor_model_parallel_rank() == 0
-    expert_owner = ps.get_expert_data_parallel_rank() == 0
-    etp_first = ps.get_expert_tensor_parallel_rank() == 0
-    sq = torch.zeros(1, dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        sharded = getattr(p, "tensor_model_parallel", False)
-        if getattr(p, "allreduce", True):
-            owned = dense_owner and (sharded or tp_first)
-        else:
-            owned = expert_owner and (sharded or etp_first)
-        if owned:
-            sq += p.grad.double().pow(2).sum()
-    return math.sqrt(comm.all_reduce_sum(sq).item())
-
-
-class _Trainer:
+class _Trainer(CheckpointState):
     """One rank's model, optimizer, data, faults and monitor; also mechmon's FrameworkActions."""
 
     def __init__(self, cfg: TrainConfig) -> None:
@@ -371,27 +177,7 @@ class _Trainer:
                               probe_loss=self._probe_loss,
                               has_batch=lambda: self.probe_batch is not None)
 
-    # FrameworkActions ---------------------------------------------------------------------------
-
-    def save_checkpoint(self, step: int) -> str | None:
-        """Save iteration ``step`` to the save directory (collective); returns its path."""
-        from mechmon_megatron.integrations.megatron_state import row_sharded
-        from mechmon_megatron.train.checkpoint import optimizer_sharded, save_checkpoint
-
-        state = self._rank_state(step)
-        # mechmon's snapshots go to the sharded part only (rows of global tensors), the rest
-        # (detectors, alarm, counters, snapshot steps) to the rank file.
-        # The trainer saves fp32 parameters, which is what the QK read returns: snapshots of
-        # this very step are read again on load rather than stored.
-        state["mechmon"], rows = (self.mon.sharded_state(rebuild_at=step)
-                                  if self.mon is not None else (None, {}))
-        sharded = {"optimizer": optimizer_sharded(self.model, self.optimizer),
-                   "mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
-        path = save_checkpoint(self.cfg.save_dir(), step, self.model, state, sharded)
-        if self.mon is not None:
-            self.mon.note_checkpoint(step, path)
-        self.last_checkpoint = path
-        return path
+    # FrameworkActions (save_checkpoint: CheckpointState) ----------------------------------------
 
     def request_exit(self, exit_code: int) -> None:
         """Stop after the current step; :func:`run` returns ``exit_code``."""
@@ -406,84 +192,10 @@ class _Trainer:
         positions_BS = torch.arange(tokens_BS.shape[1]).expand_as(tokens_BS)
         return forward(tokens_BS, positions_BS, None, labels=labels_BS).float().mean()
 
-    # State --------------------------------------------------------------------------------------
-
-    def _rank_state(self, step: int) -> dict[str, Any]:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        return {
-            "iteration": int(step),
-            "layout": dict(self.layout),
-            # The model shape, as Megatron-LM keeps its args: `mechmon scan` reads it.
-            "model": dataclasses.asdict(self.cfg.model),
-            "optimizer": self.optimizer.state_dict(),
-            "data": self.data.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()},
-            "faults": self.faults.state_dict(),
-            "divergence": {"ema": self.ema, "ema_min": self.ema_min,
-                           "step": self.divergence_step},
-        }
-
-    def _resume(self) -> Any:
-        """Load ``checkpoint.load``; returns mechmon's check_resume verdict (collective)."""
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-        from mechmon_megatron.integrations.megatron_state import row_sharded
-        from mechmon_megatron.train.checkpoint import load_checkpoint, load_state
-
-        state = load_checkpoint(self.cfg.checkpoint.load, self.model, self.layout)
-        self.data.load_state_dict(state["data"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["resharded"]:
-            self._load_resharded(state)
-        else:
-            self.optimizer.load_state_dict(state["optimizer"])
-            get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
-        self.faults.load_state_dict(state["faults"])
-        div = state["divergence"]
-        self.ema, self.ema_min, self.divergence_step = div["ema"], div["ema_min"], div["step"]
-        self.step = int(state["iteration"])
-        self.last_checkpoint = state["path"]
-        if self.mon is None:
-            return None
-        if not state["resharded"]:
-            self.mon.load_sharded(state["mechmon"], lambda rows: load_state(
-                state["path"], {"mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
-            ).get("mechmon", {}))
-        return self.mon.check_resume(state["path"])
-
-    def _load_resharded(self, state: dict[str, Any]) -> None:
-        """Resume under another TP / DP layout: Adam's moments and mechmon's QK snapshots from
-        the checkpoint's sharded ``state`` (the rows this layout holds), the rest from rank 0's
-        file (layout-independent). The TP RNG tracker restarts from its seed (dropout streams
-        differ between layouts anyway)."""
-        from mechmon_megatron.integrations.megatron_state import row_sharded
-        from mechmon_megatron.train.checkpoint import load_state, optimizer_sharded
-
-        template = optimizer_sharded(self.model, self.optimizer, init=True)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        loaded: dict[str, Any] = {}
-
-        def load(rows: dict[str, Any]) -> dict[str, Any]:
-            mech = {k: row_sharded(k, v) for k, v in rows.items()}
-            loaded.update(load_state(state["path"], {"optimizer": template, "mechmon": mech}))
-            return loaded.get("mechmon", {})
-
-        if self.mon is not None:
-            self.mon.load_sharded(state["mechmon"], load, resharded=True)
-        if "optimizer" not in loaded:
-            load({})
-        with torch.no_grad():
-            for index, moments in loaded.get("optimizer", {}).items():
-                for key, value in moments.items():
-                    self.optimizer.state[params[index]][key].copy_(value)
-                self.optimizer.state[params[index]]["step"] = torch.tensor(
-                    float(state["iteration"]))  # every parameter steps every iteration
-
     # Loop ---------------------------------------------------------------------------------------
 
     def _train_step(self, step: int) -> tuple[float, float, Any]:
-        from mechmon_megatron.train.grads import sync_grads
+        from mechmon_megatron.train.grads import grad_norm, sync_grads
 
         factor = lr_factor(self.cfg.optim, self.cfg.steps, step)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
@@ -497,7 +209,7 @@ class _Trainer:
         self.optimizer.zero_grad(set_to_none=False)
         loss = self._forward_backward(tokens_BS, labels_BS)
         sync_grads(self.model)
-        norm = _grad_norm(self.model)
+        norm = grad_norm(self.model)
         clip = self.cfg.optim.clip_grad
         if clip > 0 and math.isfinite(norm) and norm > clip:
             for p in self.model.parameters():

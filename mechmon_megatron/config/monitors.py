@@ -113,8 +113,9 @@ class SharpnessConfig:
     """Estimate every this many steps; a multiple of ``optim.interval``."""
     iters: int = 4
     """Most Hessian-vector products per estimate (power iterations, warm-started)."""
-    tol: float = 0.02
-    """Stop early once the estimate moves by less than this (relative)."""
+    tol: float = 0.0
+    """Stop early once the estimate moves by less than this (relative); each product's
+    estimate is then read on the host. 0: always ``iters`` products and one host read."""
     method: Literal["finite_difference", "double_backward"] = "finite_difference"
     """HVP by a central difference of two gradients (works through tensor-parallel autograd
     functions) or by double backward (models whose ops are twice differentiable)."""

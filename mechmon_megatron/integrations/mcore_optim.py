@@ -122,10 +122,14 @@ def adam_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> AdamStat
             raise ValueError(f"optim.sharpness: {type(inner).__name__} keeps no exp_avg_sq; "
                              "the preconditioned sharpness needs an Adam-type optimizer")
         b1, b2 = group["betas"]
-        step = float(state.get("step", group.get("step", 0)))
-        if step <= 0:
+        step = state.get("step", group.get("step", 0))
+        if not torch.is_tensor(step) and step <= 0:
             return None
-        v_hat = state["exp_avg_sq"].float() / (1.0 - b2 ** step)
+        v = state["exp_avg_sq"].float()
+        # A tensor step (torch's Adam; on the device when fused or capturable) is not read on
+        # the host: at step 0 v_hat is inf there and the parameter takes no step in the probe.
+        v_hat = v / (1.0 - b2 ** (step.to(v.device, torch.float64) if torch.is_tensor(step)
+                                  else float(step)))
         denoms.append(v_hat.sqrt().add_(group["eps"]).view(p.shape))
         lrs.append(float(group["lr"]))
         moments.append(state["exp_avg"].float().view(p.shape))

@@ -24,13 +24,15 @@ not twice differentiable)::
 with error ``O(h^2 |d^3 L| |u|^2)`` plus rounding ``O(eps_mach |g| / h)``; or by double backward
 (Pearlmutter) where the model supports it (:func:`double_backward_hvp`).
 
-Power iteration with Rayleigh-Ritz (Lanczos): from the last call's Ritz vector (warm start),
-the Krylov basis ``v, M v, M^2 v, ...`` (``k <= iters`` vectors, re-orthogonalised) and the top
-eigenvalue of ``V^T M V``; it stops after ``iters`` products or when the estimate moves by less
-than ``tol`` (relative). Plain power iteration finds the eigenvalue of largest *magnitude*, which
-away from the edge of stability is often a negative one (measured on the reference GPT: after an
-LR surge its estimate went negative); the Ritz value on the same products is the largest
-algebraic one and never below the power iterate's Rayleigh quotient. Memory: ``k`` vectors.
+Power iteration with Rayleigh-Ritz (Lanczos): from the last call's Ritz vector (warm start), the
+Krylov basis ``v, M v, M^2 v, ...`` (``k <= iters`` vectors, re-orthogonalised) and the top
+eigenvalue of ``V^T M V``, all on the vectors' device: ``iters`` products and no host read (the
+caller reads the result in its one transfer), or, with a stop tolerance, one read per product to
+stop once the estimate moves by less than ``tol`` (relative). Plain power iteration finds the
+eigenvalue of largest *magnitude*, which away from the edge of stability is often a negative one
+(measured on the reference GPT: after an LR surge its estimate went negative); the Ritz value on the
+same products is the largest algebraic one and never below the power iterate's Rayleigh quotient.
+Memory: ``k`` vectors.
 Accuracy is held by tests/unit/test_curvature.py: against an explicit Hessian (1e-6 relative in
 float64) and the exact top eigenvalue of ``D^1/2 H D^1/2`` (1% after warm start).
 """
@@ -51,11 +53,13 @@ __all__ = [
     "double_backward_hvp",
     "PowerResult",
     "power_iteration",
+    "top_eigenpair",
 ]
 
 Vector = list[torch.Tensor]
-Dots = Callable[[Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]], list[float]]
-"""``[(u, v), ...] -> [u . v, ...]``: global inner products, one reduction per call."""
+Dots = Callable[[Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]], torch.Tensor]
+"""``[(u, v), ...] -> tensor([u . v, ...])``: global inner products (float64, on the vectors'
+device, identical on every rank), one reduction per call and no host read."""
 
 
 def eos_threshold(beta1: float) -> float:
@@ -68,7 +72,7 @@ def eos_threshold(beta1: float) -> float:
 def central_difference_hvp(
     grad_at: Callable[[Vector, float], Vector],
     u: Sequence[torch.Tensor],
-    h: float,
+    h: float | torch.Tensor,
 ) -> Vector:
     """``H u ~ (g(W + h u) - g(W - h u)) / (2 h)``.
 
@@ -76,7 +80,8 @@ def central_difference_hvp(
         grad_at: ``(u, s) -> g(W + s u)``, the (synchronised) gradient at the displaced point;
             it must not change ``W``.
         u: direction.
-        h: step along ``u`` (absolute; the caller scales it to the weights).
+        h: step along ``u`` (absolute; the caller scales it to the weights; a 0-d tensor
+            keeps it on the device).
     """
     plus = grad_at(list(u), h)
     minus = grad_at(list(u), -h)
@@ -98,27 +103,13 @@ def double_backward_hvp(
     return out
 
 
-@dataclass(frozen=True)
-class PowerResult:
-    """Outcome of :func:`power_iteration`."""
-
-    value: float
-    """Top Ritz value (largest algebraic eigenvalue estimate; NaN when a product was not
-    finite)."""
-    vector: Vector
-    """Unit Ritz vector (the next call's warm start)."""
-    iters: int
-    """Operator products used."""
-    residual: float
-    """``|M v - value v| / |value|`` of the Ritz pair (how far from an eigenpair)."""
+def _norm(dots: Dots, v: Sequence[torch.Tensor]) -> torch.Tensor:
+    return dots([(v, v)])[0].clamp_min(0.0).sqrt()
 
 
-def _norm(dots: Dots, v: Sequence[torch.Tensor]) -> float:
-    return math.sqrt(max(dots([(v, v)])[0], 0.0))
-
-
-def _combine(basis: Sequence[Vector], coef: Sequence[float]) -> Vector:
-    return [sum(c * b[i] for c, b in zip(coef, basis, strict=True))
+def _combine(basis: Sequence[Vector], coef: torch.Tensor) -> Vector:
+    """``sum_j coef[j] basis[j]`` (``coef``: a device vector; no host read)."""
+    return [sum(coef[j].to(b[i].dtype) * b[i] for j, b in enumerate(basis))
             for i in range(len(basis[0]))]
 
 
@@ -127,9 +118,48 @@ def _orthogonalise(x: Vector, basis: Sequence[Vector], dots: Dots) -> Vector:
     twice ("twice is enough"), each pass one batched call of ``dots``."""
     for _ in range(2):
         coef = dots([(b, x) for b in basis])
-        x = [t - sum(c * b[i] for c, b in zip(coef, basis, strict=True))
-             for i, t in enumerate(x)]
+        x = [t - c for t, c in zip(x, _combine(basis, coef), strict=True)]
     return x
+
+
+def top_eigenpair(gram: torch.Tensor, live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Largest algebraic eigenvalue and a unit eigenvector of the symmetric ``gram`` (k x k)
+    restricted to its ``live`` coordinates (bool, k), on its device with no host read.
+
+    With ``G`` scaled to entries in [-1, 1], ``A = G + s I`` on the live coordinates, with
+    ``s`` just above ``|G|_F``, is positive definite and its top eigenvector is ``G``'s largest
+    algebraic one; ``A`` is zero on dead coordinates (eigenvalue 0, below every live one).
+    Squarings ``A <- (A / max|A|)^2`` (64: an eigenvalue ratio ``r < 1`` falls as
+    ``r^(2^64)``) take ``A`` to the projector on that eigenvector (on the top eigenspace when
+    it is degenerate), whose largest diagonal entry's column is the vector.
+    """
+    both = live[:, None] & live[None, :]
+    g = torch.where(both, gram, torch.zeros_like(gram))
+    unit = g / g.abs().amax().clamp_min(1e-300)  # entries in [-1, 1]: no overflow below
+    shift = unit.norm() * (1.0 + 1e-6) + 1e-6
+    a = unit + torch.diag(torch.where(live, shift, 0.0))
+    for _ in range(64):
+        a = a / a.abs().amax()
+        a = a @ a
+    v = torch.index_select(a, 1, torch.argmax(torch.diagonal(a)).reshape(1))[:, 0]
+    v = v / v.norm()
+    return v @ g @ v, v
+
+
+@dataclass(frozen=True)
+class PowerResult:
+    """Outcome of :func:`power_iteration`; ``value`` and ``residual`` are 0-d float64 tensors
+    on the vectors' device (read them with the caller's one transfer)."""
+
+    value: torch.Tensor
+    """Top Ritz value (largest algebraic eigenvalue estimate; NaN when a product was not
+    finite)."""
+    vector: Vector
+    """Unit Ritz vector (the next call's warm start)."""
+    iters: int
+    """Operator products used."""
+    residual: torch.Tensor
+    """``|M v - value v| / |value|`` of the Ritz pair (how far from an eigenpair)."""
 
 
 def power_iteration(
@@ -145,53 +175,57 @@ def power_iteration(
     Rayleigh-Ritz on it (Lanczos with full re-orthogonalisation, ``k <= iters`` vectors kept)
     returns the largest *algebraic* Ritz value, so a Hessian with large negative curvature does
     not capture the estimate (plain power iteration converges to the largest magnitude).
-    Each product adds one row and column to the projected matrix ``V^T M V`` (``2k - 1`` inner
-    products in one call of ``dots``) and two calls re-orthogonalise, one normalises: four
-    reductions per product, whatever ``k``.
+    Each product adds one row and column to the projected matrix ``V^T M V`` and ``|M v|^2``
+    (``2k`` inner products in one call of ``dots``), two calls re-orthogonalise, one
+    normalises: four reductions per product, whatever ``k``.
 
-    Every rank calls ``matvec`` and ``dots`` the same number of times (the stop rule reads only
-    values that ``dots`` made identical on every rank), so collectives inside them stay paired.
+    Host reads: none with ``tol = 0`` (exactly ``iters`` products; a Krylov space that becomes
+    invariant, ``|M v - V V^T M v| <= 1e-12 |M v|``, adds zero vectors that
+    :func:`top_eigenpair` leaves out); with ``tol > 0`` one per product (the stop rule). Every
+    rank calls ``matvec`` and ``dots`` the same number of times (the stop rule reads only values
+    that ``dots`` made identical on every rank), so collectives inside them stay paired.
 
     Args:
         matvec: ``v -> M v`` (may be collective).
-        v0: start vector (any non-zero scale; the last Ritz vector for a warm start).
+        v0: start vector (any non-zero scale; the last Ritz vector for a warm start; a zero
+            or non-finite one gives a NaN value).
         dots: batched global inner products (:data:`Dots`).
         iters: maximum products (basis size), >= 1.
-        tol: stop once the top Ritz value changes by less than ``tol`` relative.
+        tol: stop once the top Ritz value changes by less than ``tol`` relative (0: never).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    n0 = _norm(dots, v0)
-    if not math.isfinite(n0) or n0 == 0.0:
-        raise ValueError("power_iteration: start vector is zero or not finite")
-    basis: list[Vector] = [[t / n0 for t in v0]]
+    basis: list[Vector] = [[t / _norm(dots, v0).to(t.dtype) for t in v0]]
     images: list[Vector] = []
-    gram = torch.zeros(iters, iters, dtype=torch.float64)
-    value, prev = math.nan, math.nan
-    coef: list[float] = [1.0]
+    gram: torch.Tensor | None = None
+    alive: list[torch.Tensor] = []
+    prev = math.nan
     for _ in range(iters):
         mv = matvec(basis[-1])
         images.append(mv)
         k = len(basis)
-        new = dots([(b, mv) for b in basis] + [(basis[-1], m) for m in images[:-1]])
-        gram[:k, k - 1] = torch.tensor(new[:k], dtype=torch.float64)
-        gram[k - 1, :k - 1] = torch.tensor(new[k:], dtype=torch.float64)
-        sub = gram[:k, :k]
-        if not bool(sub.isfinite().all()):
-            return PowerResult(math.nan, basis[0], len(images), math.nan)
-        evals, evecs = torch.linalg.eigh((sub + sub.T) / 2)
-        value, coef = float(evals[-1]), evecs[:, -1].tolist()
-        done = math.isfinite(prev) and abs(value - prev) <= tol * abs(value)
-        prev = value
-        if done or len(images) == iters:
+        new = dots([(b, mv) for b in basis] + [(basis[-1], m) for m in images[:-1]] + [(mv, mv)])
+        if gram is None:
+            gram = torch.zeros(iters, iters, dtype=torch.float64, device=new.device)
+            alive.append(torch.ones((), dtype=torch.bool, device=new.device))
+        gram[:k, k - 1] = new[:k]
+        gram[k - 1, :k - 1] = new[k:2 * k - 1]
+        if tol > 0:
+            value = float(top_eigenpair(gram[:k, :k], torch.stack(alive))[0])
+            done = math.isfinite(prev) and abs(value - prev) <= tol * abs(value)
+            prev = value
+            if done or not math.isfinite(value):
+                break
+        if len(images) == iters:
             break
         nxt = _orthogonalise(list(mv), basis, dots)
         norm = _norm(dots, nxt)
-        if not norm > 1e-12 * max(abs(value), 1e-300):
-            break  # the Krylov space is invariant: the Ritz value is exact
-        basis.append([t / norm for t in nxt])
-    vec = _combine(basis[:len(coef)], coef)
-    mvec = _combine(images[:len(coef)], coef)
-    res = [a - value * b for a, b in zip(mvec, vec, strict=True)]
-    residual = _norm(dots, res) / max(abs(value), 1e-300)
-    return PowerResult(value, vec, len(images), residual)
+        alive.append(norm > 1e-12 * new[-1].clamp_min(0.0).sqrt())
+        scale = torch.where(alive[-1], 1.0 / norm, 0.0)
+        basis.append([t * scale.to(t.dtype) for t in nxt])
+    k = len(images)
+    value, coef = top_eigenpair(gram[:k, :k], torch.stack(alive))
+    vec = _combine(basis[:k], coef)
+    res = [a - value.to(b.dtype) * b for a, b in zip(_combine(images, coef), vec, strict=True)]
+    residual = _norm(dots, res) / value.abs().clamp_min(1e-300)
+    return PowerResult(value, vec, k, residual)

@@ -17,7 +17,8 @@ probe on is bitwise equal to training with it off (tests/integration/test_optim_
 Collectives: the integration's gradient synchronisation (the same reductions as training) and
 one SUM all-reduce per batch of inner products over ``group`` (five per product: the
 finite-difference step's norm and the power iteration's four); the number of calls depends only
-on values that are identical on every rank.
+on values that are identical on every rank. Host reads: the readiness vote and one transfer of
+the finished estimate (every intermediate stays on the device; ``tol > 0`` adds one per product).
 """
 
 from __future__ import annotations
@@ -130,10 +131,10 @@ class CurvatureProbe:
     weights: Callable[[], list[torch.Tensor]] | None = None
 
     def dots(self, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
-             ) -> list[float]:
-        """Global inner products ``[u . v, ...]`` over owned elements: each summed on the
-        vectors' device in parameter order, one SUM all-reduce and one device-to-host transfer
-        for the whole batch."""
+             ) -> torch.Tensor:
+        """Global inner products ``[u . v, ...]`` over owned elements (float64): each summed on
+        the vectors' device in parameter order, one SUM all-reduce for the whole batch and no
+        host read."""
         acc = None
         for j, (u, v) in enumerate(pairs):
             for own, a, b in zip(self.owned, u, v, strict=True):
@@ -143,7 +144,7 @@ class CurvatureProbe:
                         acc = torch.zeros(len(pairs), dtype=torch.float64, device=part.device)
                     acc[j] += part.to(acc.device)
         acc = torch.zeros(len(pairs), dtype=torch.float64) if acc is None else acc
-        return comm.all_reduce_sum(acc, self.group).tolist()
+        return comm.all_reduce_sum(acc, self.group)
 
 
 class SharpnessEstimator:
@@ -200,14 +201,16 @@ class SharpnessEstimator:
 
     def estimate(self) -> dict[str, float]:
         """``eos_ratio`` (eta lambda / threshold), ``lambda`` (per unit of the largest LR),
-        ``iters`` and ``residual``, after :meth:`ready` said True; collective on every rank of
-        the probe's group (its products run the model's own forward/backward collectives)."""
+        ``iters``, ``residual`` and the mode's shares, after :meth:`ready` said True; collective
+        on every rank of the probe's group (its products run the model's own forward/backward
+        collectives). Everything stays on the device until one transfer at the end (with
+        ``tol = 0``; the stop rule of ``tol > 0`` reads each product's estimate)."""
         state, scale, params, start = self._inputs
         self._inputs = None
-        weight_sq, start_sq = self.probe.dots([(params, params), (start, start)])
-        weight_norm = math.sqrt(max(weight_sq, 0.0))
-        if not start_sq > 0.0:
-            start = [s.clone() for s in scale]
+        sq = self.probe.dots([(params, params), (start, start)])
+        weight_norm = sq[0].clamp_min(0.0).sqrt()
+        start = [torch.where(sq[1] > 0.0, v, s.to(v.dtype))  # a zero start: the scale
+                 for v, s in zip(start, scale, strict=True)]
 
         def matvec(v: list[torch.Tensor]) -> list[torch.Tensor]:
             u = [s * t for s, t in zip(scale, v, strict=True)]
@@ -216,34 +219,38 @@ class SharpnessEstimator:
 
         result: PowerResult = power_iteration(matvec, start, self.probe.dots,
                                               int(self.config.iters), float(self.config.tol))
+        packed = torch.cat([torch.stack([result.value, result.residual]).to(self._device()),
+                            self._shares(result.vector)])
+        value, residual, *shares = packed.tolist()
         dtype = torch.bfloat16 if self.config.vector_dtype == "bf16" else torch.float32
-        if math.isfinite(result.value):
+        if math.isfinite(value):
             self.vector = [v.detach().to(dtype) for v in result.vector]
         eta = max(state.lrs) if state.lrs else math.nan
         return {
-            "optim/sharpness/eos_ratio": result.value / eos_threshold(state.beta1),
-            "optim/sharpness/lambda": result.value / eta if eta > 0 else None,
+            "optim/sharpness/eos_ratio": value / eos_threshold(state.beta1),
+            "optim/sharpness/lambda": value / eta if eta > 0 else None,
             "optim/sharpness/iters": float(result.iters),
-            "optim/sharpness/residual": result.residual,
-            **self._shares(result.vector),
+            "optim/sharpness/residual": residual,
+            **{f"optim/sharpness/share/{g}": x for g, x in zip(GROUPS, shares, strict=True)},
         }
 
-    def _shares(self, vector: Sequence[torch.Tensor]) -> dict[str, float]:
-        """``optim/sharpness/share/<group>``: the fraction of the top eigenvector's squared
-        norm in each weight group (``layouts.param_groups.GROUPS``): where the mode at the edge
-        of stability lives. One SUM all-reduce of a ``len(GROUPS)`` vector over owned elements;
-        NaN when the vector is zero or not finite."""
-        owned = [(g, v) for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True)
-                 if own]
-        device = owned[0][1].device if owned else torch.device("cpu")
-        acc = torch.zeros(len(GROUPS), dtype=torch.float64, device=device)
-        for g, v in owned:  # on the device: one transfer after the all-reduce
-            acc[g] += v.double().pow(2).sum().to(device)
+    def _device(self) -> torch.device:
+        owned = [p for own, p in zip(self.probe.owned, self.probe.params, strict=True) if own]
+        return owned[0].device if owned else torch.device("cpu")
+
+    def _shares(self, vector: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The fraction of the top eigenvector's squared norm in each weight group
+        (``layouts.param_groups.GROUPS``): where the mode at the edge of stability lives. One
+        SUM all-reduce of a ``len(GROUPS)`` vector over owned elements, on the device; NaN when
+        the vector is zero or not finite."""
+        acc = torch.zeros(len(GROUPS), dtype=torch.float64, device=self._device())
+        for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True):
+            if own:
+                acc[g] += v.double().pow(2).sum().to(acc.device)
         acc = comm.all_reduce_sum(acc, self.probe.group)
-        *acc, total = torch.cat([acc, acc.sum().reshape(1)]).tolist()
-        ok = math.isfinite(total) and total > 0.0
-        return {f"optim/sharpness/share/{g}": acc[i] / total if ok else math.nan
-                for i, g in enumerate(GROUPS)}
+        total = acc.sum()
+        ok = total.isfinite() & (total > 0.0)
+        return torch.where(ok, acc / total, math.nan)
 
     def memory_bytes(self) -> int:
         """Bytes held between evaluations (the warm-start vector)."""
@@ -268,7 +275,7 @@ class SharpnessEstimator:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: float,
+    def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: torch.Tensor,
                  ) -> list[torch.Tensor]:
         if self.probe.gradient is not None:
             return self.probe.gradient([p + s * d for p, d in zip(params, u, strict=True)])
@@ -279,12 +286,12 @@ class SharpnessEstimator:
                  for g, p in zip(grads, points, strict=True)]
         return self.probe.reduce_grads(grads)
 
-    def _hvp(self, params: list[torch.Tensor], u: list[torch.Tensor], weight_norm: float,
+    def _hvp(self, params: list[torch.Tensor], u: list[torch.Tensor], weight_norm: torch.Tensor,
              ) -> list[torch.Tensor]:
         if self.config.method == "double_backward" and self.probe.gradient is None:
             points = [p.clone().requires_grad_(True) for p in params]
             loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
             return self.probe.reduce_grads(double_backward_hvp(loss, points, u))
-        u_norm = math.sqrt(max(self.probe.dots([(u, u)])[0], 0.0))
-        h = float(self.config.fd_scale) * weight_norm / max(u_norm, 1e-30)
+        u_norm = self.probe.dots([(u, u)])[0].clamp_min(0.0).sqrt()
+        h = float(self.config.fd_scale) * weight_norm / u_norm.clamp_min(1e-30)
         return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h)

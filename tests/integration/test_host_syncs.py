@@ -1,13 +1,17 @@
 """Counters: what mechmon does on unmonitored and on monitored steps.
 
 Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT (MoE, 4 experts) with
-the QK, router, optim and (global) loss monitors. During every ``MechMon.begin_step`` /
-``end_step`` the test counts calls into ``comm`` and ``torch.distributed`` (collectives) and
-tensor-to-host conversions (``item``, ``tolist``, ``cpu``, ``float``/``int``/``bool`` of a
-tensor, ``numpy``; on CPU every conversion counts, so the code keeps host metadata as Python
-values). On unmonitored steps both must be zero; on monitored steps each monitor makes exactly
-one transfer (the QK monitor's covers every layer this rank computes: per-head tables, layer
-sketches, their agreement and failure votes), and the counts are printed.
+the QK, router, optim (with the sharpness probe) and (global) loss monitors. During every
+``MechMon.begin_step`` / ``end_step`` the test counts calls into ``comm`` and
+``torch.distributed`` (collectives) and tensor-to-host conversions (``item``, ``tolist``,
+``cpu``, ``float``/``int``/``bool`` of a tensor, ``numpy``; on CPU every conversion counts, so
+the code keeps host metadata as Python values). On unmonitored steps both must be zero; on
+monitored steps each monitor makes exactly one transfer (the QK monitor's covers every layer
+this rank computes: per-head tables, layer sketches, their agreement and failure votes), the
+sharpness probe two more (its readiness vote and its estimate), and the counts are printed.
+Reads inside the probe's forward and backward passes are the model's own (megatron's MoE
+dispatcher counts tokens on the host, as in every training step) and are counted apart
+(``...:model``).
 """
 
 from __future__ import annotations
@@ -85,6 +89,18 @@ def _worker(rank: int, world_size: int, out_dir: str) -> dict:
             m.end_step = watched(m.family, m.end_step)
         return attach(self, monitors, *args, **kwargs)
 
+    def model_pass(fn):  # the probe's forward and backward: the model's own host reads
+        def call(*args, **kwargs):
+            outer = counts["where"]
+            counts["where"] = f"{outer}:model"
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                counts["where"] = outer
+        return call
+
+    torch.func.functional_call = model_pass(torch.func.functional_call)
+    torch.autograd.grad = model_pass(torch.autograd.grad)
     mm.MechMon.begin_step, mm.MechMon.end_step = begin_step, end_step
     mm.MechMon.attach = attach_monitors
     trainer.run({
@@ -96,7 +112,7 @@ def _worker(rank: int, world_size: int, out_dir: str) -> dict:
         "checkpoint": {"save_at_end": False},
         "mechmon": {"qk": {"interval": INTERVAL, "warmup_steps": 0},
                     "optim": {"interval": INTERVAL, "warmup_steps": 0,
-                              "sharpness": {"enabled": False}},
+                              "sharpness": {"interval": 2 * INTERVAL}},
                     "router": {"interval": INTERVAL}, "actions": {"on_alarm": "log"},
                     "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}},
     })
@@ -119,8 +135,10 @@ def test_monitored_steps_make_a_bounded_number_of_transfers_per_monitor(counts):
         print(f"rank {r} host transfers: {rank['host']}")
         print(f"rank {r} collectives: {rank['comm']}")
         steps = range(INTERVAL, STEPS + 1, INTERVAL)
-        # The optim monitor's update ratios over the step (``window: step``): one transfer.
-        assert [rank["host"].get(f"{s}:monitor:optim", 0) for s in steps] == [1, 1, 1]
+        # The optim monitor's update ratios over the step (``window: step``): one transfer; on
+        # a sharpness step (8) the probe's readiness vote and one transfer of its estimate
+        # (four products, every inner product and the Ritz step kept on the device).
+        assert [rank["host"].get(f"{s}:monitor:optim", 0) for s in steps] == [1, 3, 1]
         # The router: its reduced routing sums and maxima and the router-weight table of the
         # layer this DP rank computes, one transfer.
         assert [rank["host"].get(f"{s}:monitor:router", 0) for s in steps] == [1, 1, 1]

@@ -14,6 +14,7 @@ from mechmon_megatron.math.curvature import (
     double_backward_hvp,
     eos_threshold,
     power_iteration,
+    top_eigenpair,
 )
 from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, SharpnessEstimator
 
@@ -91,8 +92,8 @@ def test_both_hvps_match_an_explicit_hessian_to_1e_6() -> None:
     assert (db - exact).norm() / exact.norm() < 1e-10
 
 
-def _dots(pairs: list) -> list[float]:
-    return [float(a[0] @ b[0]) for a, b in pairs]
+def _dots(pairs: list) -> torch.Tensor:
+    return torch.stack([a[0] @ b[0] for a, b in pairs])
 
 
 def test_power_iteration_finds_the_top_eigenvalue_of_a_symmetric_matrix() -> None:
@@ -113,7 +114,7 @@ def test_power_iteration_makes_four_reductions_per_product_whatever_the_basis_si
     mat = mat + mat.T
     calls = []
 
-    def counted(pairs: list) -> list[float]:
+    def counted(pairs: list) -> torch.Tensor:
         calls.append(len(pairs))
         return _dots(pairs)
 
@@ -124,7 +125,63 @@ def test_power_iteration_makes_four_reductions_per_product_whatever_the_basis_si
         # start norm, 3 per product before the last (projected row/column, two
         # re-orthogonalisation passes) + its norm, the last product's row/column, the residual
         assert len(calls) == 4 * iters - 1
-        assert max(calls) == max(2 * iters - 1, 1)  # the batched row and column of V^T M V
+        assert max(calls) == 2 * iters  # the batched row and column of V^T M V, and |M v|^2
+
+
+def test_power_iteration_reads_nothing_on_the_host_without_a_stop_tolerance(monkeypatch) -> None:
+    gen = torch.Generator().manual_seed(6)
+    mat = torch.randn(20, 20, generator=gen, dtype=torch.float64)
+    mat = mat + mat.T
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__", "__int__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda *a, _o=orig, _n=name, **k: reads.append(_n) or _o(*a, **k))
+    res = power_iteration(lambda v: [mat @ v[0]], [torch.ones(20, dtype=torch.float64)], _dots,
+                          iters=5, tol=0.0)
+    assert reads == [] and res.iters == 5
+    power_iteration(lambda v: [mat @ v[0]], [torch.ones(20, dtype=torch.float64)], _dots,
+                    iters=5, tol=1e-3)
+    assert 1 <= len(reads) <= 5  # the stop rule reads each product's estimate
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_top_eigenpair_matches_eigh_over_the_live_coordinates(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    k = 2 + seed
+    g = torch.randn(k, k, generator=gen, dtype=torch.float64) * 10 ** (seed - 3)
+    g = g + g.T - (3.0 * 10 ** (seed - 3) if seed % 2 else 0.0) * torch.eye(k, dtype=g.dtype)
+    live = torch.ones(k, dtype=torch.bool)
+    live[-1] = seed < 3  # a dead coordinate (a zero basis vector) is left out
+    value, vec = top_eigenpair(g, live)
+    sub = g[live][:, live]
+    exact = torch.linalg.eigvalsh(sub)[-1]
+    assert float(value) == pytest.approx(float(exact), rel=1e-10, abs=1e-12 * float(sub.norm()))
+    assert float(vec.norm()) == pytest.approx(1.0) and float(vec[~live].abs().sum()) == 0.0
+    assert float((sub @ vec[live] - value * vec[live]).norm()) < 1e-8 * float(sub.norm())
+
+
+def test_top_eigenpair_of_a_negative_definite_or_degenerate_matrix() -> None:
+    neg = -torch.diag(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64))
+    assert float(top_eigenpair(neg, torch.ones(3, dtype=torch.bool))[0]) == pytest.approx(-1.0)
+    value, _ = top_eigenpair(torch.eye(3, dtype=torch.float64) * 2.0,
+                             torch.ones(3, dtype=torch.bool))
+    assert float(value) == pytest.approx(2.0)
+    assert float(top_eigenpair(torch.zeros(2, 2, dtype=torch.float64),
+                               torch.ones(2, dtype=torch.bool))[0]) == 0.0
+    nan = torch.full((2, 2), math.nan, dtype=torch.float64)
+    assert math.isnan(float(top_eigenpair(nan, torch.ones(2, dtype=torch.bool))[0]))
+
+
+def test_power_iteration_on_an_invariant_krylov_space_keeps_the_exact_value() -> None:
+    """An eigenvector start: the first product spans the space, the later ones add zero
+    vectors that the Ritz step leaves out (a negative definite operator: a zero coordinate
+    taken in would read as eigenvalue 0)."""
+    mat = -torch.diag(torch.arange(1.0, 7.0, dtype=torch.float64))
+    start = torch.zeros(6, dtype=torch.float64)
+    start[2] = 1.0
+    res = power_iteration(lambda v: [mat @ v[0]], [start], _dots, iters=4)
+    assert float(res.value) == -3.0 and float(res.residual) == 0.0
 
 
 def _adam_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

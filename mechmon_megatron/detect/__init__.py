@@ -5,13 +5,13 @@ the reduced signal table, so every rank reaches the same findings at the same st
 """
 
 from mechmon_megatron.detect.attribution import Diagnosis, diagnose, parse_location
-from mechmon_megatron.detect.bank import DetectorBank, SignalChannel, compile_pattern
+from mechmon_megatron.detect.bank import DetectorBank, compile_pattern
+from mechmon_megatron.detect.base import Detector, Finding
 from mechmon_megatron.detect.baseline import Baseline
+from mechmon_megatron.detect.channel import SignalChannel
 from mechmon_megatron.detect.detectors import (
     Bounds,
     Cusum,
-    Detector,
-    Finding,
     LossSpike,
     NonFinite,
     RobustZ,

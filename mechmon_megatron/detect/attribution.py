@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from mechmon_megatron.detect.detectors import Finding
+from mechmon_megatron.detect.base import Finding
 
 __all__ = ["Diagnosis", "FAULT_CLASSES", "DESCRIPTIONS", "diagnose", "locate",
            "parse_location"]

@@ -11,10 +11,8 @@ signal table of every monitored step::
 Patterns: ``*`` matches within one path component, ``**`` across components, ``?`` one character
 (``attn/delta2/entropy/layer_*/min`` matches ``.../layer_12/min`` but not ``.../layer_12/head_3``).
 
-Per signal, each sample goes through: non-finite -> counted and skipped (a non-finite loss is a
-``nonfinite`` finding); step < ``start_step`` -> ignored; otherwise every detector sees it, then
-the baseline takes it (a warm-up sample; or, when tracked, a sample that is non-alarming: oriented
-z within the robust-z threshold and no detector latched). Whenever a baseline forms, the
+Per signal, a :class:`~mechmon_megatron.detect.channel.SignalChannel` feeds each sample to the
+detectors, then to the baseline (detect/channel.py). Whenever a baseline forms, the
 long-run-variance factor of its kind (the same name in every layer) is pooled anew from the
 kind's formed baselines (detect/budget.py) and given to each of them.
 """
@@ -30,6 +28,7 @@ from typing import Any
 
 from mechmon_megatron.config import DetectorsConfig, FamilyDetectorConfig, MechMonConfig
 from mechmon_megatron.detect.attribution import Diagnosis, diagnose, locate
+from mechmon_megatron.detect.base import Finding
 from mechmon_megatron.detect.baseline import Baseline
 from mechmon_megatron.detect.budget import (
     cusum_threshold,
@@ -37,20 +36,18 @@ from mechmon_megatron.detect.budget import (
     per_sample_probability,
     robust_z_threshold,
 )
+from mechmon_megatron.detect.channel import SignalChannel
 from mechmon_megatron.detect.detectors import (
     Bounds,
     Cusum,
-    Detector,
-    Finding,
     LossSpike,
     NonFinite,
     RobustZ,
     ZSpike,
-    orient,
 )
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 
-__all__ = ["DetectorBank", "SignalChannel", "compile_pattern"]
+__all__ = ["DetectorBank", "compile_pattern"]
 
 LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
 
@@ -78,90 +75,6 @@ def compile_pattern(pattern: str) -> re.Pattern:
     parts = re.split(r"(\*\*|\*|\?)", pattern)
     wild = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
     return re.compile("".join(wild.get(p, re.escape(p)) for p in parts) + r"\Z")
-
-
-class SignalChannel:
-    """Baseline and detectors of one signal.
-
-    Args:
-        signal: the signal name.
-        family: its family.
-        start_step: samples before this step are ignored (non-finite ones excepted).
-        baseline: shared by the standardizing detectors; None for comparison-only channels.
-        direction: alarm direction of the family detectors.
-        threshold: oriented z above which a sample is alarming (never tracked).
-    """
-
-    def __init__(
-        self,
-        signal: str,
-        family: str,
-        start_step: int,
-        baseline: Baseline | None,
-        direction: str,
-        threshold: float,
-    ) -> None:
-        self.signal, self.family, self.start_step = signal, family, start_step
-        self.baseline, self.direction, self.threshold = baseline, direction, threshold
-        self.detectors: list[Detector] = []
-        self.nonfinite = 0
-
-    def update(self, step: int, value: float, raw: float | None = None) -> list[Finding]:
-        """Feed one sample to every detector, then to the baseline (NaN: not observed, skip).
-
-        ``value`` is the sample the standardizing detectors and the baseline see (a peer
-        departure for peer signals); ``raw`` (default ``value``) is what absolute bounds judge.
-        """
-        raw = value if raw is None else raw
-        if math.isnan(raw):
-            for d in self.detectors:
-                d.skip()
-            return []
-        if not math.isfinite(raw):
-            self.nonfinite += 1
-        elif step < self.start_step:
-            return []
-        findings = []
-        for d in self.detectors:
-            x = raw if d.absolute else value
-            if math.isnan(x) or not (math.isfinite(x) or d.accepts_nonfinite):
-                d.skip()
-                continue
-            if (f := d.update(step, x)) is not None:
-                findings.append(f)
-        b = self.baseline
-        if math.isfinite(value) and b is not None:
-            if not b.ready:
-                b.observe(value)
-            elif orient(b.z(value), self.direction) <= self.threshold and not any(
-                d.latched for d in self.detectors if d.alarm
-            ):
-                b.track(value)
-        return findings
-
-    def reset(self) -> None:
-        """Fresh baseline, detectors re-armed."""
-        if self.baseline is not None:
-            self.baseline.reset()
-        for d in self.detectors:
-            d.reset()
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-able state."""
-        return {
-            "baseline": None if self.baseline is None else self.baseline.state_dict(),
-            "detectors": {d.name: d.state_dict() for d in self.detectors},
-            "nonfinite": self.nonfinite,
-        }
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; detectors absent from ``sd`` start fresh."""
-        if self.baseline is not None and sd["baseline"] is not None:
-            self.baseline.load_state_dict(sd["baseline"])
-        for d in self.detectors:
-            if d.name in sd["detectors"]:
-                d.load_state_dict(sd["detectors"][d.name])
-        self.nonfinite = int(sd["nonfinite"])
 
 
 DEFAULT_INTERVAL = 100

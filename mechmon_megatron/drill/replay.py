@@ -30,7 +30,7 @@ from mechmon_megatron.config import DetectorsConfig, MechMonConfig
 from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.attribution import diagnose
 from mechmon_megatron.detect.bank import GRAD_NORM, LOSS
-from mechmon_megatron.detect.detectors import Finding
+from mechmon_megatron.detect.base import Finding
 
 __all__ = ["DETECTORS", "BASELINE_DETECTORS", "DetectorResult", "replay_monitor", "rule_config",
            "replay_rule"]

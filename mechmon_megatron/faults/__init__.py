@@ -53,13 +53,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.faults.attention import (
-    BF16FlashAttention,
-    bf16_flash_attention,
-    biased_round,
-    emulated_layers,
-    install_bf16_attention,
-)
+from mechmon_megatron.faults.attention import bf16_flash_attention, biased_round
 from mechmon_megatron.faults.config import (
     FAULT_KINDS,
     AttentionFaultConfig,
@@ -69,11 +63,15 @@ from mechmon_megatron.faults.config import (
     RouterFaultConfig,
     load_fault_config,
 )
-from mechmon_megatron.faults.fp8_attention import (
+from mechmon_megatron.faults.core_attention import (
+    BF16FlashAttention,
+    emulated_layers,
+    install_bf16_attention,
+)
+from mechmon_megatron.faults.fp8_attention import FP8Scaler, fp8_flash_attention
+from mechmon_megatron.faults.fp8_core_attention import (
     FP8FlashAttention,
-    FP8Scaler,
     fp8_emulated_layers,
-    fp8_flash_attention,
     install_fp8_attention,
 )
 from mechmon_megatron.faults.optim import (

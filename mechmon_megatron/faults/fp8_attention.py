@@ -46,28 +46,23 @@ Matched delta keeps the invariant to fp32 rounding and its gradients within FP8'
 roundoff of fp32 attention (e4m3 2^-4, e5m2 2^-3). Stale delta alone breaks it by ~7% of each
 row's mass with no consistent sign on this input; a stale O scale (clipping) makes the residual
 positive on 99-100% of rows, the coherent error the QK monitor is built for.
-(see ``tests/unit/test_faults_fp8_attention.py`` for the asserted bounds). Activation recompute
-of core attention runs the forward twice and pushes its amaxes twice into the history.
+(see ``tests/unit/test_faults_fp8_attention.py`` for the asserted bounds).
+
+The drop-in megatron-core module and its installation: faults/fp8_core_attention.py.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-
-from mechmon_megatron.faults.attention import flash_inputs, layers_with, replace_core_attention
 
 __all__ = [
     "FP8_MAX",
     "fake_quant",
     "FP8Scaler",
     "fp8_flash_attention",
-    "FP8FlashAttention",
-    "install_fp8_attention",
-    "fp8_emulated_layers",
     "premise",
 ]
 
@@ -229,99 +224,6 @@ def fp8_flash_attention(
         mask_BNQS = mask_BNQS.expand(*q_BNQK.shape[:-1], k_BNSK.shape[-2])
     return _FP8FlashFn.apply(q_BNQK, k_BNSK, v_BNSK, mask_BNQS, scale,
                              scaler or FP8Scaler(), delta, stats)
-
-
-class FP8FlashAttention(torch.nn.Module):
-    """Drop-in ``core_attention`` for megatron-core ``SelfAttention`` (FP8 FA emulation).
-
-    Same call signature and geometry as :class:`mechmon_megatron.faults.attention.
-    BF16FlashAttention`. Healthy: matched delta, no skew. The fault: :meth:`set_injection`
-    switches to stale delta with O's scale skewed by ``o_skew`` binades.
-    """
-
-    def __init__(
-        self, layer_number: int, num_heads: int, num_groups: int, softmax_scale: float,
-        causal: bool, scaling: Scaling = "delayed", history_len: int = 16,
-    ) -> None:
-        super().__init__()
-        self.layer_number = layer_number
-        self.num_heads = num_heads
-        self.num_groups = num_groups
-        self.softmax_scale = softmax_scale
-        self.causal = causal
-        self.scaler = FP8Scaler(scaling, history_len)
-        self.delta: Delta = "matched"
-        self.injecting = False
-
-    @classmethod
-    def replacing(cls, core_attention: Any, scaling: Scaling = "delayed",
-                  history_len: int = 16) -> FP8FlashAttention:
-        """An emulation with the geometry of megatron's ``DotProductAttention`` or of another
-        emulation (duck-typed)."""
-        from mechmon_megatron.faults.attention import BF16FlashAttention
-
-        if isinstance(core_attention, BF16FlashAttention):
-            c = core_attention
-            return cls(c.layer_number, c.num_heads, c.num_groups, c.softmax_scale, c.causal,
-                       scaling, history_len)
-        b = BF16FlashAttention.replacing(core_attention)
-        return cls(b.layer_number, b.num_heads, b.num_groups, b.softmax_scale, b.causal,
-                   scaling, history_len)
-
-    def set_injection(self, active: bool, delta: Delta = "stale", o_skew: float = 0.0) -> None:
-        """Fault on (``delta`` and O's scale skew) or off (matched delta, no skew)."""
-        self.injecting = active
-        self.delta = delta if active else "matched"
-        self.scaler.skew["o"] = o_skew if active else 0.0
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type: Any = None,
-        attention_bias: Any = None,
-        packed_seq_params: Any = None,
-    ) -> torch.Tensor:
-        """``[Q, B, N, K]`` query, ``[S, B, G, K]`` key/value -> context ``[Q, B, N K]``."""
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("fp8 flash emulation supports no attention bias or packed sequences")
-        q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask,
-                                                    self.num_heads // self.num_groups, self.causal)
-        sq = q_BNQK.shape[2]
-        o_BNQK = fp8_flash_attention(q_BNQK, k_BNSK, v_BNSK, mask, self.softmax_scale,
-                                     self.delta, self.scaler)
-        return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, q_BNQK.shape[0], -1)
-
-
-def install_fp8_attention(
-    model_chunks: Sequence[torch.nn.Module],
-    layers: Literal["all"] | Sequence[int] = "all",
-    scaling: Scaling = "delayed",
-    history_len: int = 16,
-) -> list[FP8FlashAttention]:
-    """Replace ``core_attention`` of the chosen layers with :class:`FP8FlashAttention`.
-
-    Idempotent: a layer already emulated in FP8 keeps its module (and its scaling settings).
-
-    Args:
-        model_chunks: this rank's model chunks (wrappers are walked through).
-        layers: ``all`` or global 1-based layer numbers.
-        scaling: ``delayed`` or ``current`` per-tensor scaling of new modules.
-        history_len: amax history length of new modules (delayed scaling).
-
-    Returns:
-        The emulation modules of the chosen layers on this rank, in module order.
-    """
-    return replace_core_attention(
-        model_chunks, layers, FP8FlashAttention,
-        lambda core: FP8FlashAttention.replacing(core, scaling, history_len))
-
-
-def fp8_emulated_layers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
-    """Global layer numbers whose ``core_attention`` is the FP8 emulation on this rank."""
-    return layers_with(model_chunks, FP8FlashAttention)
 
 
 def premise(

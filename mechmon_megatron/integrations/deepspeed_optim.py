@@ -16,7 +16,7 @@ Sharpness probe (ZeRO 0-3, not the pipeline engine): the module's inputs of the 
 grad-enabled forward of each step are kept by reference (:class:`BatchCache`; nothing is copied
 or sliced, so ``sharpness.batch_size`` does not apply: the whole micro-batch is used). The loss
 is the module run functionally (``torch.func.functional_call`` on the displaced weights) in eval
-mode under :func:`~mechmon_megatron.monitors.sharpness.isolated` (CPU/CUDA RNG and DeepSpeed's
+mode under :func:`~mechmon_megatron.monitors.probe_context.isolated` (CPU/CUDA RNG and DeepSpeed's
 RNG tracker restored, buffers restored), reduced to a scalar: the output itself, its ``.loss``,
 or the first element of a tuple. Gradients are averaged as DeepSpeed's engine does
 (``allreduce_bucket`` / ``_reduce_expert_gradients``): dense SUM over DP times 1/DP; experts SUM
@@ -44,7 +44,8 @@ from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, 
 from mechmon_megatron.layouts.hf_attention import full_fp32_weight
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, isolated
+from mechmon_megatron.monitors.probe_context import isolated
+from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
 
 __all__ = ["BatchCache", "scalar_loss", "deepspeed_optim_source"]
 

@@ -32,7 +32,8 @@ from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, isolated
+from mechmon_megatron.monitors.probe_context import isolated
+from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
 
 __all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders", "buckets",
            "EXCHANGE_BUCKET"]
@@ -138,11 +139,18 @@ def adam_state(optimizer: Any, params: Sequence[torch.nn.Parameter]) -> AdamStat
 
 
 def _isolated(model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
-    """:func:`~mechmon_megatron.monitors.sharpness.isolated` with megatron's RNG tracker."""
+    """:func:`~mechmon_megatron.monitors.probe_context.isolated` with megatron's RNG tracker."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     tracker = get_cuda_rng_tracker()
     return isolated(model, [(tracker.get_states, tracker.set_states)])
+
+
+def _routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """megatron-core's ``TopKRouter`` modules of ``model`` (empty for a dense model)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for m in torch.nn.Module.modules(model) if isinstance(m, TopKRouter)]
 
 
 def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
@@ -185,7 +193,8 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
                 return None
             return adam_state(optimizer, tensors)
 
-        probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state)
+        probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state,
+                               routers=_routers(model))
     return OptimSource(entries, read, probe, exchange=_exchange(tensors, optimizer))
 
 

@@ -23,10 +23,9 @@ the finished estimate (every intermediate stays on the device; ``tol > 0`` adds 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,41 +40,9 @@ from mechmon_megatron.math.curvature import (
     eos_threshold,
     power_iteration,
 )
+from mechmon_megatron.monitors.probe_context import FrozenTopK
 
-__all__ = ["AdamState", "CurvatureProbe", "SharpnessEstimator", "isolated"]
-
-
-RngTracker = tuple[Callable[[], Any], Callable[[Any], None]]
-"""``(get_states, set_states)`` of a framework's extra RNG (megatron's or DeepSpeed's tracker)."""
-
-
-@contextlib.contextmanager
-def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Iterator[None]:
-    """Eval mode, own RNG, buffers restored: the probe's forward leaves no trace on training.
-
-    Saves and restores every module's ``training`` flag, the CPU and CUDA RNG, each tracker's
-    states and every buffer (e.g. a router's token counts for expert-bias updates). Module
-    methods are called unbound: megatron's DDP wrapper shadows ``buffers`` with its grad buffers.
-    """
-    modes = [(m, m.training) for m in torch.nn.Module.modules(model)]
-    buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
-    cpu_rng = torch.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    saved = [get() for get, _ in trackers]
-    model.eval()
-    try:
-        yield
-    finally:
-        for m, mode in modes:
-            m.training = mode
-        with torch.no_grad():
-            for b, copy in buffers:
-                b.copy_(copy)
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
-        for (_, put), states in zip(trackers, saved, strict=True):
-            put(states)
+__all__ = ["AdamState", "CurvatureProbe", "SharpnessEstimator"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +96,9 @@ class CurvatureProbe:
     adam_collective: bool = False
     gradient: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
     weights: Callable[[], list[torch.Tensor]] | None = None
+    routers: Sequence[torch.nn.Module] = ()
+    """MoE router modules whose top-k choices are held fixed within an estimate
+    (:class:`~mechmon_megatron.monitors.probe_context.FrozenTopK`)."""
 
     def dots(self, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
              ) -> torch.Tensor:
@@ -163,6 +133,8 @@ class SharpnessEstimator:
                           "partitions); using finite_difference", RuntimeWarning, stacklevel=2)
         self.vector: list[torch.Tensor] | None = None
         self._inputs: tuple | None = None
+        self._frozen = FrozenTopK(())
+        self._warned = False
         self._groups = [GROUPS.index(param_group(name)) for name in probe.names]
 
     def ready(self) -> bool:
@@ -207,6 +179,10 @@ class SharpnessEstimator:
         ``tol = 0``; the stop rule of ``tol > 0`` reads each product's estimate)."""
         state, scale, params, start = self._inputs
         self._inputs = None
+        self._frozen = FrozenTopK(self.probe.routers)
+        if self.probe.routers and self.probe.gradient is None:  # record the routing at W
+            with self._frozen.active(), torch.no_grad():
+                self.probe.loss(dict(zip(self.probe.names, params, strict=True)))
         sq = self.probe.dots([(params, params), (start, start)])
         weight_norm = sq[0].clamp_min(0.0).sqrt()
         start = [torch.where(sq[1] > 0.0, v, s.to(v.dtype))  # a zero start: the scale
@@ -222,6 +198,12 @@ class SharpnessEstimator:
         packed = torch.cat([torch.stack([result.value, result.residual]).to(self._device()),
                             self._shares(result.vector)])
         value, residual, *shares = packed.tolist()
+        if self._frozen.misses and not self._warned:
+            self._warned = True
+            warnings.warn(f"mechmon optim.sharpness: {self._frozen.misses} top-k call(s) in a "
+                          "router did not match the estimate's first evaluation and were not "
+                          "held fixed (routing that changes shape between evaluations)",
+                          RuntimeWarning, stacklevel=2)
         dtype = torch.bfloat16 if self.config.vector_dtype == "bf16" else torch.float32
         if math.isfinite(value):
             self.vector = [v.detach().to(dtype) for v in result.vector]
@@ -277,11 +259,12 @@ class SharpnessEstimator:
 
     def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: torch.Tensor,
                  ) -> list[torch.Tensor]:
-        if self.probe.gradient is not None:
-            return self.probe.gradient([p + s * d for p, d in zip(params, u, strict=True)])
-        points = [(p + s * d).requires_grad_(True) for p, d in zip(params, u, strict=True)]
-        loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
-        grads = torch.autograd.grad(loss, points, allow_unused=True)
+        with self._frozen.active():
+            if self.probe.gradient is not None:
+                return self.probe.gradient([p + s * d for p, d in zip(params, u, strict=True)])
+            points = [(p + s * d).requires_grad_(True) for p, d in zip(params, u, strict=True)]
+            loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
+            grads = torch.autograd.grad(loss, points, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g.detach()
                  for g, p in zip(grads, points, strict=True)]
         return self.probe.reduce_grads(grads)
@@ -290,8 +273,10 @@ class SharpnessEstimator:
              ) -> list[torch.Tensor]:
         if self.config.method == "double_backward" and self.probe.gradient is None:
             points = [p.clone().requires_grad_(True) for p in params]
-            loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
-            return self.probe.reduce_grads(double_backward_hvp(loss, points, u))
+            with self._frozen.active():
+                loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
+                hvp = double_backward_hvp(loss, points, u)
+            return self.probe.reduce_grads(hvp)
         u_norm = self.probe.dots([(u, u)])[0].clamp_min(0.0).sqrt()
         h = float(self.config.fd_scale) * weight_norm / u_norm.clamp_min(1e-30)
         return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h)

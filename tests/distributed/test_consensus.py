@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from mechmon_megatron.alarm import ALARM_FILENAME, consensus, read_alarm_json, share_diagnosis
@@ -100,3 +101,31 @@ def _mismatched(rank: int, world_size: int, root: str) -> str:
 def test_ranks_that_disagree_on_the_signal_table_are_refused_at_attach_on_every_rank(tmp_path):
     messages = run_distributed(_mismatched, 3, str(tmp_path), timeout=60)
     assert all("ranks disagree on the monitored signals" in m for m in messages), messages
+
+
+class _RouterLike(SyntheticMonitor):
+    family = "router"
+
+    def signal_names(self) -> list[str]:
+        return [f"router/entropy_mean/layer_{i}" for i in range(1, self.layers + 1)]
+
+
+def _same_names_other_schedule(rank: int, world_size: int, root: str, case: str) -> str:
+    """Every rank declares the same signal names; rank 1 runs a monitor at another interval, or
+    the same monitors in another order (the per-step payloads would pair other widths)."""
+    if case == "interval":
+        monitors = [SyntheticMonitor(interval=2 + (rank == 1))]
+    else:
+        monitors = [SyntheticMonitor(), _RouterLike(layers=3)]
+        monitors = monitors[::-1] if rank == 1 else monitors
+    try:
+        MechMon(make_config(Path(root) / f"r{rank}")).attach(monitors, sinks=[])
+    except ValueError as exc:
+        return str(exc)
+    return "attached"
+
+
+@pytest.mark.parametrize("case", ["interval", "order"])
+def test_ranks_with_the_same_signals_but_another_monitor_schedule_are_refused(tmp_path, case):
+    messages = run_distributed(_same_names_other_schedule, 3, str(tmp_path), case, timeout=60)
+    assert all("monitor schedule" in m for m in messages), messages

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32
+from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32, low_precision_reason
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
 from mechmon_megatron.monitors.probe_context import isolated
@@ -169,6 +170,10 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
             entries.append(OptimParam(name, group, layer, _owned(p)))
             tensors.append(p)
             names.append(name)
+
+    why = next((w for w in (low_precision_reason(p, optimizer) for p in tensors) if w), None)
+    if why is not None:
+        warnings.warn(f"mechmon optim: {why}", RuntimeWarning, stacklevel=2)
 
     def read() -> list[torch.Tensor]:
         return [local_fp32(p, optimizer) for p in tensors]

@@ -1,8 +1,10 @@
-"""Routing held fixed on megatron-core's own ``TopKRouter`` (one gloo rank, CPU): the probe's
-source finds every router, a forward at the weights records one top-k per router (reached
-through the CPU patches' copy of ``torch`` in ``moe_utils``), and a forward at displaced
-weights replays those choices: its routing maps equal the recorded ones while free routing at
-the same weights differs."""
+"""The optimizer monitor's megatron-core source (one gloo rank, CPU).
+
+Routing held fixed on megatron-core's own ``TopKRouter``: the probe's source finds every router,
+a forward at the weights records one top-k per router (reached through the CPU patches' copy of
+``torch`` in ``moe_utils``), and a forward at displaced weights replays those choices: its
+routing maps equal the recorded ones while free routing at the same weights differs. A model
+whose weights are bf16 with no fp32 main params warns once, naming why."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ pytest.importorskip("megatron.core")
 
 
 def _worker(rank: int, world_size: int) -> dict:
+    import warnings
+
     import torch
 
     from mechmon_megatron.integrations.mcore_optim import optim_source
@@ -56,7 +60,12 @@ def _worker(rank: int, world_size: int) -> dict:
     maps.clear()
     forward(shifted)
     free = maps[:]
+    model.bfloat16()  # no fp32 main params: the source says the reads are low precision
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optim_source([model], torch.optim.Adam(model.parameters()))
     return {
+        "bf16_warnings": [str(w.message) for w in caught if "mechmon optim" in str(w.message)],
         "routers": len(routers), "names": len(names), "keys": sorted(frozen.recorded),
         "misses": frozen.misses,
         "replayed_equal": all(torch.equal(a, b) for a, b in zip(recorded, replayed, strict=True)),
@@ -64,7 +73,17 @@ def _worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_the_probe_holds_megatron_routing_fixed_across_displaced_forwards() -> None:
-    out = run_distributed(_worker, 1, timeout=240)[0]
+@pytest.fixture(scope="module")
+def source() -> dict:
+    return run_distributed(_worker, 1, timeout=240)[0]
+
+
+def test_the_probe_holds_megatron_routing_fixed_across_displaced_forwards(source: dict) -> None:
+    out = source
     assert out["routers"] == 2 and out["keys"] == [(0, 0), (1, 0)] and out["misses"] == 0
     assert out["replayed_equal"] and not out["free_equal"], out
+
+
+def test_a_source_of_low_precision_weights_says_so_once(source: dict) -> None:
+    assert len(source["bf16_warnings"]) == 1, source["bf16_warnings"]
+    assert "no fp32 main param" in source["bf16_warnings"][0]

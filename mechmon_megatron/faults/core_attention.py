@@ -4,7 +4,8 @@ module, and its installation.
 Legend as :mod:`mechmon_megatron.faults.attention`. megatron-core calls
 ``core_attention(query [Q, B, N, K], key [S, B, G, K], value, attention_mask, ...)`` and
 expects the context ``[Q, B, N K]``; :func:`flash_inputs` brings the inputs to the emulations'
-``[B, N, Q|S, K]`` layout (each of the G KV groups repeated ``N / G`` times).
+``[B, N, Q|S, K]`` layout (each of the G KV groups repeated ``N / G`` times), and
+:func:`megatron_attention` wraps an emulation in that call (both emulations' ``forward``).
 
 Plugging in: :func:`install_bf16_attention` replaces ``core_attention`` of megatron-core
 ``SelfAttention`` modules (duck-typed, no megatron import) with :class:`BF16FlashAttention`,
@@ -27,6 +28,7 @@ from mechmon_megatron.faults.attention import Mode, bf16_flash_attention
 __all__ = [
     "BF16FlashAttention",
     "flash_inputs",
+    "megatron_attention",
     "self_attentions",
     "replace_core_attention",
     "layers_with",
@@ -49,6 +51,25 @@ def flash_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if mask is None and causal and sq > 1:
         mask = torch.ones(sq, sk, dtype=torch.bool, device=query.device).triu(1)
     return q_BNQK, k_BNSK, v_BNSK, mask
+
+
+def megatron_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, attention_bias: Any, packed_seq_params: Any,
+    rep: int, causal: bool, what: str, attend: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """An emulation behind megatron-core's call: the inputs through :func:`flash_inputs`,
+    ``attend(q [B, N, Q, K], k, v [B, N, S, K], mask) -> o [B, N, Q, K]``, and the context back
+    as ``[Q, B, N K]`` in ``query``'s dtype.
+
+    Raises:
+        ValueError: an attention bias or packed sequences (``what`` names the emulation).
+    """
+    if attention_bias is not None or packed_seq_params is not None:
+        raise ValueError(f"{what} flash emulation supports no attention bias or packed sequences")
+    q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask, rep, causal)
+    o_BNQK = attend(q_BNQK, k_BNSK, v_BNSK, mask)
+    return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(q_BNQK.shape[2], q_BNQK.shape[0], -1)
 
 
 class BF16FlashAttention(torch.nn.Module):
@@ -127,23 +148,20 @@ class BF16FlashAttention(torch.nn.Module):
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """``[Q, B, N, K]`` query, ``[S, B, G, K]`` key/value -> context ``[Q, B, N K]``."""
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("bf16 flash emulation supports no attention bias or packed sequences")
-        q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask,
-                                                    self.num_heads // self.num_groups, self.causal)
-        sq = q_BNQK.shape[2]
-        inject = None
-        if self.injecting and self.rate > 0:
-            b, n = q_BNQK.shape[:2]
-            rows = torch.rand(b, n, sq, generator=self.generator) < self.rate
-            inject = {
-                "rows_BNQ": rows.to(query.device),
-                "mode": self.mode,
-                "bits": self.bits,
-                "where": self.where,
-            }
-        o_BNQK = bf16_flash_attention(q_BNQK, k_BNSK, v_BNSK, mask, self.softmax_scale, inject)
-        return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, q_BNQK.shape[0], -1)
+
+        def attend(q_BNQK: torch.Tensor, k_BNSK: torch.Tensor, v_BNSK: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+            inject = None
+            if self.injecting and self.rate > 0:
+                b, n, sq = q_BNQK.shape[:3]
+                rows = torch.rand(b, n, sq, generator=self.generator) < self.rate
+                inject = {"rows_BNQ": rows.to(query.device), "mode": self.mode,
+                          "bits": self.bits, "where": self.where}
+            return bf16_flash_attention(q_BNQK, k_BNSK, v_BNSK, mask, self.softmax_scale, inject)
+
+        return megatron_attention(query, key, value, attention_mask, attention_bias,
+                                  packed_seq_params, self.num_heads // self.num_groups,
+                                  self.causal, "bf16", attend)
 
 
 def self_attentions(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:

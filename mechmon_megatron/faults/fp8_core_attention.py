@@ -17,8 +17,8 @@ import torch
 
 from mechmon_megatron.faults.core_attention import (
     BF16FlashAttention,
-    flash_inputs,
     layers_with,
+    megatron_attention,
     replace_core_attention,
 )
 from mechmon_megatron.faults.fp8_attention import Delta, FP8Scaler, Scaling, fp8_flash_attention
@@ -78,14 +78,11 @@ class FP8FlashAttention(torch.nn.Module):
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """``[Q, B, N, K]`` query, ``[S, B, G, K]`` key/value -> context ``[Q, B, N K]``."""
-        if attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("fp8 flash emulation supports no attention bias or packed sequences")
-        q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask,
-                                                    self.num_heads // self.num_groups, self.causal)
-        sq = q_BNQK.shape[2]
-        o_BNQK = fp8_flash_attention(q_BNQK, k_BNSK, v_BNSK, mask, self.softmax_scale,
-                                     self.delta, self.scaler)
-        return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(sq, q_BNQK.shape[0], -1)
+        return megatron_attention(
+            query, key, value, attention_mask, attention_bias, packed_seq_params,
+            self.num_heads // self.num_groups, self.causal, "fp8",
+            lambda q, k, v, mask: fp8_flash_attention(q, k, v, mask, self.softmax_scale,
+                                                      self.delta, self.scaler))
 
 
 def install_fp8_attention(

@@ -230,6 +230,9 @@ class QKUpdateMonitor(QKObserve):
             snap = self.snapshots.get(source.layer)
             if rows is None or snap is None:
                 self.snapshots.pop(source.layer, None)
+                self._warn_once(f"rebuild:{source.layer}", f"layer {source.layer}: its snapshot "
+                                "could not be read again after the load; it is re-snapshotted at "
+                                "the next monitored step (one window without QK signals)")
                 continue
             _, _, snap["wq"], snap["wk"] = self._snapshot_of(*rows)
 
@@ -243,6 +246,13 @@ class QKUpdateMonitor(QKObserve):
         """Snapshots from the filled :meth:`sharded_template` (after :meth:`load_state_dict`)."""
         owned = [s for s in self.sources if self.owns(s.layer)]
         self.snapshots = restore_snapshots(meta, loaded, owned)
+        missing = sorted(s.layer for s in owned
+                         if s.layer in meta and s.layer not in self.snapshots
+                         and not meta[s.layer].get("rebuild"))
+        if missing:
+            self._warn_once("unrestored", f"layers {missing}: saved snapshots could not be mapped "
+                            "onto this rank's rows; they are re-snapshotted at the next monitored "
+                            "step (one window without QK signals)")
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore the snapshots of the layers this rank owns whose saved heads are the heads it

@@ -252,3 +252,16 @@ def test_typed_config_is_accepted():
     monitor = QKUpdateMonitor(config.QKConfig(interval=5), model.sources())
     out = _run(monitor, model, range(1, 11))[10]
     assert out and set(out) <= set(monitor.signal_names())
+
+
+def test_a_sharded_load_that_cannot_map_a_layer_names_it_and_restores_the_others():
+    model = _Model(layers=(1, 2))
+    saver = QKUpdateMonitor(_config(), model.sources())
+    saver.end_step(10)
+    meta, shards = saver.sharded_state()
+    loaded = {k: v.tensor for k, v in shards.items() if not k.startswith("qk.layer_2.")}
+    resumed = QKUpdateMonitor(_config(), model.sources())
+    with pytest.warns(RuntimeWarning, match=r"layers \[2\]: saved snapshots could not be mapped"):
+        resumed.load_sharded(meta, loaded)
+    assert sorted(resumed.snapshots) == [1]
+    assert torch.equal(resumed.snapshots[1]["wq"], saver.snapshots[1]["wq"])

@@ -164,7 +164,11 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
 
     entries, tensors, names = [], [], []
     for chunk in model_chunks:
-        named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        # A duplicate kept in sync with a parameter of another stage (``shared``: the last
+        # pipeline stage's copy of tied embeddings) is left out, as megatron's own grad norm
+        # does (``param_is_not_shared``): counted once, the table is the same under any PP.
+        named = [(n, p) for n, p in chunk.named_parameters()
+                 if p.requires_grad and not getattr(p, "shared", False)]
         for (name, p), (group, layer) in zip(named, classify(named, layer_prefixes(chunk)),
                                              strict=True):
             entries.append(OptimParam(name, group, layer, _owned(p)))

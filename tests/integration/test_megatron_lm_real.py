@@ -133,57 +133,6 @@ sys.exit(launcher.main(sys.argv[1:]))
 '''
 
 
-HARNESS_RESHARD = '''
-"""The launcher, plus a dump after setup (model and monitor state loaded) of every owned QK
-snapshot against what the QK read returns from the loaded weights now."""
-import json
-import os
-import sys
-
-import torch.distributed as dist
-
-from mechmon_megatron.integrations import megatron_lm
-from mechmon_megatron.launch import megatron as launcher
-
-real_install = megatron_lm.install
-
-
-def raise_(where, exc):
-    raise exc
-
-
-def install(config, *args, **kwargs):
-    hooks = real_install(config, *args, **kwargs)
-    setup = hooks.training.setup_model_and_optimizer
-
-    def setup_and_dump(*a, **k):
-        result = setup(*a, **k)
-        qk = next(m for m in hooks.mon.monitors if hasattr(m, "sharded_state"))
-        rows = []
-        for source in qk.sources:                      # every rank reads every source
-            wq, wk, _, _ = qk._snapshot_of(*source.rows(raise_))
-            snap = qk.snapshots.get(source.layer)
-            if not qk.owns(source.layer):
-                continue
-            rows.append({"layer": source.layer, "restored": snap is not None,
-                         "step": None if snap is None else snap["step"],
-                         "heads": None if snap is None else list(snap["heads"]),
-                         "max_diff": None if snap is None else max(
-                             float((snap["wq"] - wq).abs().max()),
-                             float((snap["wk"] - wk).abs().max()))})
-        with open(os.path.join(os.environ["SNAP_OUT"], f"rank{dist.get_rank()}.json"), "w") as fh:
-            json.dump(rows, fh)
-        return result
-
-    hooks.training.setup_model_and_optimizer = setup_and_dump
-    return hooks
-
-
-megatron_lm.install = install
-sys.exit(launcher.main(sys.argv[1:]))
-'''
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -388,47 +337,3 @@ def test_the_sharpness_probe_on_the_real_loop_leaves_training_bitwise_unchanged(
     on, off = weights[True], weights[False]
     tensors = [k for k, v in on.items() if isinstance(v, torch.Tensor)]
     assert tensors and all(torch.equal(on[k], off[k]) for k in tensors)
-
-
-@pytest.mark.parametrize("saved", [["--tensor-model-parallel-size", "2"],
-                                   ["--pipeline-model-parallel-size", "2"]],
-                         ids=["tp2_to_dp2", "pp2_to_dp2"])
-def test_a_resume_under_another_layout_restores_the_sharded_qk_snapshots(job, saved):
-    """Saved at TP=2 (or PP=2) on 2 ranks, resumed at TP=1 x PP=1 x DP=2: every layer's
-    snapshot of the checkpoint step is restored from ``mechmon/`` on the rank that owns it now,
-    equal (bitwise) to what the QK read gives from the loaded weights, and the first monitored
-    step after the resume has QK signals (a re-snapshot would leave it empty)."""
-    config = job.tmp / "mechmon.yaml"
-    config.write_text(yaml.safe_dump({
-        "output_dir": str(job.tmp / "mechmon_out"), "qk": {"interval": 2},
-        "optim": {"enabled": False}, "actions": {"on_alarm": "log"},
-        "sinks": {"console": {"enabled": False}}}))
-    harness = job.tmp / "harness_reshard.py"
-    harness.write_text(HARNESS_RESHARD)
-    snap_out = job.tmp / "snaps"
-    snap_out.mkdir()
-
-    def target(*extra: str) -> list[str]:
-        args = job.megatron_args(10, *extra)  # the LR schedule's length must not change
-        args[args.index("--global-batch-size") + 1] = "4"
-        return [str(harness), "--cpu", str(SCRIPT), "--mechmon-config", str(config), *args]
-
-    code, out = job.torchrun(2, target("--exit-interval", "6", *saved), SNAP_OUT=str(snap_out))
-    assert code == 0, out[-4000:]
-    step_dir = job.save / "iter_0000006"
-    assert (step_dir / "mechmon" / "metadata.json").is_file()
-    assert all((step_dir / f"mechmon_rank{r}.pt").is_file() for r in (0, 1))
-
-    code, out = job.torchrun(2, target(), SNAP_OUT=str(snap_out))
-    assert code == 0, out[-4000:]
-    assert "restored, saved under layout" in out and "re-snapshotted" not in out, out[-4000:]
-    owned = [row for r in (0, 1) for row in json.loads((snap_out / f"rank{r}.json").read_text())]
-    assert sorted(row["layer"] for row in owned) == [1, 2]  # one owner per layer (DP split)
-    for row in owned:
-        assert row["restored"] and row["step"] == 6 and row["heads"] == [0, 1, 2, 3], row
-        assert row["max_diff"] == 0.0, row
-    metrics = [json.loads(line) for line in
-               (job.tmp / "mechmon_out" / "metrics.jsonl").read_text().splitlines()]
-    first = next(m for m in metrics if m["step"] == 8)
-    attn = [v for k, v in first["signals"].items() if k.startswith("attn/delta2/entropy/layer_")]
-    assert attn and all(v is not None for v in attn), first["signals"]

@@ -4,7 +4,9 @@ Routing held fixed on megatron-core's own ``TopKRouter``: the probe's source fin
 a forward at the weights records one top-k per router (reached through the CPU patches' copy of
 ``torch`` in ``moe_utils``), and a forward at displaced weights replays those choices: its
 routing maps equal the recorded ones while free routing at the same weights differs. A model
-whose weights are bf16 with no fp32 main params warns once, naming why."""
+whose weights are bf16 with no fp32 main params warns once, naming why. Under PP=2 on two gloo
+ranks the last stage's copy of the tied embeddings is counted once: the optimizer signals have
+the same keys as under PP=1."""
 
 from __future__ import annotations
 
@@ -87,3 +89,44 @@ def test_the_probe_holds_megatron_routing_fixed_across_displaced_forwards(source
 def test_a_source_of_low_precision_weights_says_so_once(source: dict) -> None:
     assert len(source["bf16_warnings"]) == 1, source["bf16_warnings"]
     assert "no fp32 main param" in source["bf16_warnings"][0]
+
+
+def _keys_under_pp(rank: int, world_size: int) -> dict:
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from mechmon_megatron.integrations.mcore_optim import optim_holders, optim_source
+    from mechmon_megatron.train.model import ParallelSpec, init_parallel
+
+    torch.Tensor.cuda = lambda self, *a, **k: self  # the embedding copy's sync (this process)
+    out = {}
+    for pp in (1, 2):
+        init_parallel(ParallelSpec(pp=pp))
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                   pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                                   use_cpu_initialization=True, add_bias_linear=False)
+        model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64,
+                         max_sequence_length=16, share_embeddings_and_output_weights=True,
+                         pre_process=ps.is_pipeline_first_stage(),
+                         post_process=ps.is_pipeline_last_stage())
+        out[pp] = optim_holders(optim_source([model], torch.optim.Adam(model.parameters())))
+        out[f"shared{pp}"] = comm_union(model)
+    return out
+
+
+def comm_union(model) -> list[str]:
+    """Names of ``shared`` parameters (the last stage's embedding copy) over the world."""
+    from mechmon_megatron import comm
+
+    mine = {n: 1 for n, p in model.named_parameters() if getattr(p, "shared", False)}
+    return sorted(comm.all_gather_union(mine))
+
+
+def test_pp2s_copy_of_tied_embeddings_is_counted_once() -> None:
+    out = run_distributed(_keys_under_pp, 2, timeout=240)[0]
+    assert out["shared1"] == [] and out["shared2"] == ["output_layer.weight"], out
+    assert sorted(out[1]) == sorted(out[2]) and "output" not in out[2], out
+    assert out[2]["embedding"] == 1 and out[1]["embedding"] == 2, out  # one stage holds it

@@ -1,0 +1,107 @@
+"""A DeepSpeed run resumed under another data-parallel size (CPU, gloo, real engines).
+
+12 steps straight at DP=2 against 6 steps at DP=2, ``save_checkpoint``, and 6 more at DP=4 in
+new processes. Every step's global batch is the same four sequences, split over the ranks, so
+both runs see the same data. The QK work is split over the DP replicas (layer L on DP rank
+``(L - 1) % DP``): layer 3's snapshot is kept by rank 0 at DP=2 and by rank 2 at DP=4. The
+checkpoint's ``client_state`` holds every replica's snapshots (gathered at the save), each
+resumed rank keeps the layers it owns now, and the signals after the resume equal the straight
+run's to fp32 rounding, with the same alarm step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+
+from tests._dist import run_distributed
+from tests.integration.test_deepspeed import TRAIN, VOCAB, _deepspeed_ops  # noqa: F401
+
+pytest.importorskip("deepspeed")
+
+GLOBAL, SEQ, N, ALARM_STEP = 4, 8, 6, 10
+
+
+def _run(rank: int, world: int, out_dir: str, steps: int, save: str | None,
+         load: str | None) -> dict:
+    """Train to ``steps`` (ZeRO-0, AdamW) from ``load``; save at the end to ``save``."""
+    import deepspeed
+    import torch
+
+    from mechmon_megatron.deepspeed import attach
+
+    torch.manual_seed(0)
+    model = TRAIN.TinyLM(VOCAB, d_model=32, layers=3, heads=4, kv_heads=2)
+    block = {"output_dir": out_dir, "qk": {"interval": 2}, "optim": {"interval": 2},
+             "detectors": {"warmup_samples": 3, "start_step": ALARM_STEP,
+                           "global": {"signal_bounds": {"global/loss": {"max": 1.0e-6}}}},
+             "actions": {"on_alarm": "log"}, "sinks": {"console": {"enabled": False}}}
+    config = {"train_micro_batch_size_per_gpu": GLOBAL // world, "steps_per_print": 10**6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": 0}, "mechmon": block}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config, dist_init_required=False)
+    mm = attach(engine, save_dir=save or out_dir)
+    if load is not None:
+        mm.load(load)
+    qk = mm.mon.monitors[0]
+    owned = {"step": int(engine.global_steps), "layers": sorted(qk.snapshots),
+             "snapshot_steps": sorted(s["step"] for s in qk.snapshots.values())}
+    size = GLOBAL // world
+    while engine.global_steps < steps:
+        step = engine.global_steps + 1
+        ids = TRAIN.batch(step, 0, GLOBAL, SEQ, VOCAB, seed=0)[rank * size:(rank + 1) * size]
+        engine.backward(engine(ids))
+        engine.step()
+    if save is not None:
+        engine.save_checkpoint(save, tag=f"global_step{steps}")
+    mm.close()
+    return owned
+
+
+def _first(rank: int, world: int, tmp: str) -> dict:
+    _run(rank, world, f"{tmp}/straight", 2 * N, None, None)
+    return _run(rank, world, f"{tmp}/resumed", N, f"{tmp}/ckpt", None)
+
+
+def _second(rank: int, world: int, tmp: str) -> dict:
+    return _run(rank, world, f"{tmp}/resumed", 2 * N, None, f"{tmp}/ckpt")
+
+
+def _records(path: pathlib.Path) -> dict[int, dict]:
+    """The last sink record of each monitored step (a resumed run appends)."""
+    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+@pytest.mark.timeout(900)
+def test_a_dp2_run_resumed_at_dp4_gives_the_uninterrupted_runs_signals_and_alarm(tmp_path):
+    run_distributed(_first, 2, str(tmp_path), timeout=400)
+    resumed_ranks = run_distributed(_second, 4, str(tmp_path), timeout=400)
+    # Each rank keeps what it owns at DP=4: layer L on rank (L - 1) % 4, taken at step N.
+    assert [r["layers"] for r in resumed_ranks] == [[1], [2], [3], []], resumed_ranks
+    assert all(r["step"] == N and set(r["snapshot_steps"]) <= {N} for r in resumed_ranks)
+
+    straight = _records(tmp_path / "straight" / "metrics.jsonl")
+    resumed = _records(tmp_path / "resumed" / "metrics.jsonl")
+    alarm = [s for s in sorted(straight) if straight[s].get("alarm")][:1]
+    assert alarm == [ALARM_STEP] == [s for s in sorted(resumed) if resumed[s].get("alarm")][:1]
+    after = [s for s in sorted(straight) if s > N]
+    assert after == [8, 10, 12] and [s for s in sorted(resumed) if s > N] == after
+    compared = 0
+    for step in after:
+        want, got = straight[step]["signals"], resumed[step]["signals"]
+        assert sorted(want) == sorted(got)
+        assert all(got[f"attn/delta2/entropy/layer_{layer}/min"] is not None
+                   for layer in (1, 2, 3)), got
+        for key, value in want.items():
+            if value is None or math.isnan(value):
+                assert got[key] is None or math.isnan(got[key]), (step, key)
+                continue
+            # Two ranks' gradients averaged against four: fp32 rounding, kept by a window's
+            # update relative to |dW| (measured up to 7e-7); another layer's rows are O(1).
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
+            compared += 1
+    assert compared > 1000

@@ -87,19 +87,36 @@ class StateMixin:
 
         ``full``: monitors that split work over DP replicas (QK snapshots) gather every
         replica's part (collective on every rank), for frameworks that save one copy per
-        model-parallel rank; a rank then keeps only its own part on load.
+        model-parallel rank; a rank then keeps only its own part on load. The local parts
+        cannot fail past those gathers: a failure is caught, counted, and the state returned
+        is ``{"version": 1, "void": reason}``, which a load refuses (every rank starts fresh).
         """
-        return {
-            "version": 1,
-            "monitors": [m.full_state_dict() if full and hasattr(m, "full_state_dict")
-                         else m.state_dict() for m in self.monitors],
-            "detectors": self.detectors.state_dict() if self.detectors is not None else None,
-            "alarm": self.alarm.to_dict() if self.alarm is not None else None,
-            "acknowledged": list(self.acknowledged),
-            "checkpoints": [list(c) for c in self.checkpoints],
-            "counters": {"last_step": self.last_step, "monitored_steps": self.monitored_steps,
-                         "errors": self.errors},
-        }
+        monitors, failed = [], None
+        for m in self.monitors:
+            if full and hasattr(m, "full_state_dict"):
+                monitors.append(m.full_state_dict())  # collective; its local part is guarded
+                continue
+            try:
+                monitors.append(m.state_dict())
+            except Exception as exc:  # noqa: BLE001 - voided below, the gathers still run
+                failed = failed or exc
+        try:
+            state = {
+                "version": 1,
+                "monitors": monitors,
+                "detectors": self.detectors.state_dict() if self.detectors is not None else None,
+                "alarm": self.alarm.to_dict() if self.alarm is not None else None,
+                "acknowledged": list(self.acknowledged),
+                "checkpoints": [list(c) for c in self.checkpoints],
+                "counters": {"last_step": self.last_step,
+                             "monitored_steps": self.monitored_steps, "errors": self.errors},
+            }
+        except Exception as exc:  # noqa: BLE001 - as above
+            failed = failed or exc
+        if failed is None:
+            return state
+        self._error("state save", failed)
+        return {"version": 1, "void": f"{type(failed).__name__}: {failed}"}
 
     def sharded_state(self, rebuild_at: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(common state, row shards)`` for a framework's sharded checkpoint, where a resume
@@ -116,10 +133,11 @@ class StateMixin:
         shards: dict[str, Any] = {}
         for i, monitor in enumerate(self.monitors):
             if hasattr(monitor, "sharded_state"):
-                meta, rows = monitor.sharded_state(rebuild_at)
-                common["monitors"][i] = dict(common["monitors"][i], snapshots={},
-                                             sharded=meta)
+                meta, rows = monitor.sharded_state(rebuild_at)  # collective, on every rank
                 shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
+                if "void" not in common:
+                    common["monitors"][i] = dict(common["monitors"][i], snapshots={},
+                                                 sharded=meta)
         return common, shards
 
     def load_sharded(self, common: Mapping[str, Any] | None,
@@ -183,8 +201,11 @@ class StateMixin:
         """Restore :meth:`state_dict`; before :meth:`attach` it is applied at attach time.
 
         Raises:
-            ValueError: the state was saved with a different number of monitors.
+            ValueError: the state was saved with a different number of monitors, or its save
+                failed (``void``).
         """
+        if "void" in sd:
+            raise ValueError(f"mechmon state was not saved completely ({sd['void']})")
         if self.detectors is None:
             self._pending_state = dict(sd)
             return

@@ -68,40 +68,55 @@ def _layout(source: Any, local_groups: int) -> tuple[int, int, int, int, int]:
 
 
 def snapshot_shards(snapshots: Mapping[int, Mapping[str, Any]], sources: Sequence[Any],
-                    group: comm.Group = None, rebuild_at: int | None = None
+                    group: comm.Group = None, rebuild_at: int | None = None,
+                    on_error: Callable[[Any, BaseException], None] | None = None,
                     ) -> tuple[dict[int, dict], dict[str, RowShard]]:
     """``(metadata of every layer's snapshot over all ranks, this rank's row shards)``.
 
     Collective over ``group`` (one object all-gather of the metadata; layers whose owners
     disagree are left out, see :func:`_agree`). Keys:
     ``qk.layer_<L>.<wq|wk|wq_prev|wk_prev>``. A snapshot taken at step ``rebuild_at`` keeps
-    only its older pair; its ``wq``/``wk`` are marked ``rebuild`` (read again on load).
+    only its older pair; its ``wq``/``wk`` are marked ``rebuild`` (read again on load). The
+    local phase cannot fail past the gather: a layer whose shards raise here is reported as
+    unsaved (``on_error(source, exc)``), so every owner leaves it out.
     """
     shards: dict[str, RowShard] = {}
     meta: dict[int, dict | None] = {}
     for source in sources:
         snap = snapshots.get(source.layer)
+        meta[source.layer] = None  # an owner without a snapshot: the layer is not saved
         if snap is None:
-            meta[source.layer] = None  # an owner without a snapshot: the layer is not saved
             continue
-        local_groups = snap["wk"].shape[0]
-        h0, heads, g0, groups, replica = _layout(source, local_groups)
-        rebuild = rebuild_at is not None and int(snap["step"]) == int(rebuild_at)
-        names = [n for n in _TENSORS if snap.get(n) is not None
-                 and not (rebuild and n in ("wq", "wk"))]
-        for name in names:
-            # Query heads are never replicated; kv groups are when groups < TP.
-            rows, offset, copy = ((heads, h0, 0) if name.startswith("wq")
-                                  else (groups, g0, replica))
-            shards[f"qk.layer_{source.layer}.{name}"] = RowShard(
-                snap[name].detach().cpu().contiguous(), rows, offset, copy)
-        meta[source.layer] = {"step": int(snap["step"]), "names": names, "rebuild": rebuild,
-                              "shape": [int(x) for x in snap["wq"].shape[1:]],
-                              "dtype": str(snap["wq"].dtype).removeprefix("torch.")}
+        try:
+            meta[source.layer], rows = _layer_shards(source, snap, rebuild_at)
+            shards.update(rows)
+        except Exception as exc:  # noqa: BLE001 - the layer is left out on every rank
+            if on_error is not None:
+                on_error(source, exc)
     agreed = _agree(comm.all_gather_object(meta, group))
     keep = {f"qk.layer_{layer}." for layer in agreed}
     shards = {k: v for k, v in shards.items() if k[:k.rindex(".") + 1] in keep}
     return agreed, shards
+
+
+def _layer_shards(source: Any, snap: Mapping[str, Any], rebuild_at: int | None
+                  ) -> tuple[dict, dict[str, RowShard]]:
+    """One layer's metadata and row shards (local; may raise)."""
+    local_groups = snap["wk"].shape[0]
+    h0, heads, g0, groups, replica = _layout(source, local_groups)
+    rebuild = rebuild_at is not None and int(snap["step"]) == int(rebuild_at)
+    names = [n for n in _TENSORS if snap.get(n) is not None
+             and not (rebuild and n in ("wq", "wk"))]
+    shards = {}
+    for name in names:
+        # Query heads are never replicated; kv groups are when groups < TP.
+        rows, offset, copy = (heads, h0, 0) if name.startswith("wq") else (groups, g0, replica)
+        shards[f"qk.layer_{source.layer}.{name}"] = RowShard(
+            snap[name].detach().cpu().contiguous(), rows, offset, copy)
+    meta = {"step": int(snap["step"]), "names": names, "rebuild": rebuild,
+            "shape": [int(x) for x in snap["wq"].shape[1:]],
+            "dtype": str(snap["wq"].dtype).removeprefix("torch.")}
+    return meta, shards
 
 
 def _agree(parts: Sequence[Mapping[int, dict | None]]) -> dict[int, dict]:

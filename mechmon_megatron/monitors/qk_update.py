@@ -199,9 +199,17 @@ class QKUpdateMonitor(QKObserve):
     def full_state_dict(self) -> dict[str, Any]:
         """:meth:`state_dict` with the snapshots of every DP replica of this rank's heads (one
         object all-gather over ``dp_group``; collective): for frameworks that save one copy per
-        model-parallel rank (DeepSpeed's client_state)."""
-        sd = self.state_dict()
-        for part in comm.all_gather_object(sd["snapshots"], self.dp_group):
+        model-parallel rank (DeepSpeed's client_state). A rank whose own part fails to copy
+        (caught, counted) gathers nothing of its own: those layers are not saved."""
+        try:
+            snaps = self.state_dict()["snapshots"]
+        except Exception as exc:  # noqa: BLE001 - the gather still runs on every rank
+            self.errors += 1
+            self._warn_once("error:save", f"saving the snapshots failed ({exc!r}); this rank's "
+                            "layers are re-snapshotted after a resume")
+            snaps = {}
+        sd = {"version": 2, "snapshots": {}, "errors": self.errors}
+        for part in comm.all_gather_object(snaps, self.dp_group):
             sd["snapshots"].update(part)
         return sd
 
@@ -215,7 +223,8 @@ class QKUpdateMonitor(QKObserve):
         again from the loaded model (:meth:`rebuild_snapshots`).
         """
         return snapshot_shards(self.snapshots, [s for s in self.sources if self.owns(s.layer)],
-                               rebuild_at=rebuild_at)
+                               rebuild_at=rebuild_at,
+                               on_error=lambda s, exc: self._error(s, "saving the snapshot", exc))
 
     def rebuild_snapshots(self, meta: Mapping[int, Mapping[str, Any]]) -> None:
         """Read again the snapshots saved as ``rebuild`` (after the model is loaded, on every

@@ -6,7 +6,8 @@ both runs see the same data. The QK work is split over the DP replicas (layer L 
 ``(L - 1) % DP``): layer 3's snapshot is kept by rank 0 at DP=2 and by rank 2 at DP=4. The
 checkpoint's ``client_state`` holds every replica's snapshots (gathered at the save), each
 resumed rank keeps the layers it owns now, and the signals after the resume equal the straight
-run's to fp32 rounding, with the same alarm step.
+run's to fp32 rounding, with the same alarm step. A save whose copy of one replica's snapshots
+fails leaves only that replica's layers out.
 """
 
 from __future__ import annotations
@@ -62,8 +63,20 @@ def _run(rank: int, world: int, out_dir: str, steps: int, save: str | None,
     return owned
 
 
-def _first(rank: int, world: int, tmp: str) -> dict:
-    _run(rank, world, f"{tmp}/straight", 2 * N, None, None)
+def _first(rank: int, world: int, tmp: str, inject: bool = False) -> dict:
+    if not inject:
+        _run(rank, world, f"{tmp}/straight", 2 * N, None, None)
+        return _run(rank, world, f"{tmp}/resumed", N, f"{tmp}/ckpt", None)
+    from mechmon_megatron.monitors.qk_update import QKUpdateMonitor
+
+    own = QKUpdateMonitor.state_dict
+
+    def state_dict(self):  # the save's gather of every replica's snapshots: rank 1's part fails
+        if rank == 1:
+            raise RuntimeError("injected at save")
+        return own(self)
+
+    QKUpdateMonitor.state_dict = state_dict
     return _run(rank, world, f"{tmp}/resumed", N, f"{tmp}/ckpt", None)
 
 
@@ -105,3 +118,18 @@ def test_a_dp2_run_resumed_at_dp4_gives_the_uninterrupted_runs_signals_and_alarm
             assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
             compared += 1
     assert compared > 1000
+
+
+@pytest.mark.timeout(900)
+def test_a_save_failing_on_one_replica_drops_only_its_layer_and_the_resume_goes_on(tmp_path):
+    """Rank 1's snapshots (layer 2 at DP=2) fail to copy at the save: the gather still runs on
+    both ranks, the checkpoint holds layers 1 and 3, and at DP=4 layer 2's new owner
+    re-snapshots it (no layer-2 signal at the first monitored step, signals again after)."""
+    run_distributed(_first, 2, str(tmp_path), True, timeout=400)
+    resumed_ranks = run_distributed(_second, 4, str(tmp_path), timeout=400)
+    assert [r["layers"] for r in resumed_ranks] == [[1], [], [3], []], resumed_ranks
+    records = _records(tmp_path / "resumed" / "metrics.jsonl")
+    key = "attn/delta2/entropy/layer_{}/min"
+    assert records[8]["signals"][key.format(2)] is None
+    assert records[8]["signals"][key.format(1)] is not None
+    assert records[10]["signals"][key.format(2)] is not None

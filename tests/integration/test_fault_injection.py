@@ -3,10 +3,12 @@
 Four real gloo ranks train the reference trainer's megatron-core MoE GPT at TP=2 x DP=2 with the
 QK (per head and layer sketch), router and optim monitors on every step. Rank 1 raises at one
 site per step: the QK read's local phase, the per-head spectra, the sketch's inputs, the
-sketch's operator setup (steps 2-5, then a checkpoint), the monitor state load on resume, the
-router's packing and the optim read (steps 6-7). Nothing hangs (the harness's timeout), every
-rank ends with the same table at every step (nothing mispaired), exactly the affected signals
-are NaN, training is bitwise what it is without the injections, and coverage counts each error.
+sketch's operator setup (steps 2-5), the save of its QK snapshot rows in the checkpoint after
+step 5, the monitor state load on resume, the router's packing and the optim read (steps 6-7).
+Nothing hangs (the harness's timeout), every rank ends with the same table at every step
+(nothing mispaired), exactly the affected signals are NaN, training is bitwise what it is
+without the injections, and coverage counts each error; the failed save leaves layer 1 out of
+the checkpoint on every rank and saves layer 2 whole.
 
 Layer 1 is computed by DP replica 0 (ranks 0 and 1; rank 1 holds heads 2 and 3), layer 2 by
 replica 1 (ranks 2 and 3), so the injections on rank 1 void layer 1 only.
@@ -51,7 +53,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     import warnings
 
     from mechmon_megatron import monitor as mm
-    from mechmon_megatron.monitors import qk_observe, qk_sketch, router
+    from mechmon_megatron.monitors import qk_observe, qk_sketch, qk_state, router
     from mechmon_megatron.train import trainer
 
     warnings.simplefilter("ignore")
@@ -92,6 +94,20 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     qk_sketch.sketch_inputs = injected("sketch_inputs", qk_sketch.sketch_inputs)
     qk_sketch.operators = injected("sketch", qk_sketch.operators)
     router.RouterMonitor._layer_sums = injected("router", router.RouterMonitor._layer_sums)
+    qk_state._layout = injected("save", qk_state._layout)
+    sharded_state, saved = mm.MechMon.sharded_state, {}
+
+    def save(self, *args, **kwargs):  # the checkpoint at step 5: rank 1's layer 1 rows fail
+        qk = next(i for i, m in enumerate(self.monitors) if m.family == "attn")
+        site, now["site"], errors = now["site"], "save", self.monitors[qk].errors
+        common, rows = sharded_state(self, *args, **kwargs)
+        now["site"] = site
+        saved.update(layers=sorted(common["monitors"][qk]["sharded"]),
+                     rows=sorted(k.split(".")[3] for k in rows),
+                     errors=self.monitors[qk].errors - errors)
+        return common, rows
+
+    mm.MechMon.sharded_state = save
 
     first = trainer.run(_config(out_dir, 5))
     load = first.checkpoint
@@ -107,7 +123,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     mm.MechMon.load_state_dict = load_state_dict
     now["site"] = "load"
     second = trainer.run(_config(out_dir, STEPS, load=load))
-    return {"records": records, "losses": [first.final_loss, second.final_loss],
+    return {"records": records, "saved": saved, "losses": [first.final_loss, second.final_loss],
             "exit": [first.exit_code, second.exit_code]}
 
 
@@ -184,3 +200,13 @@ def test_a_state_load_failing_on_one_rank_starts_every_rank_fresh_and_training_g
     assert math.isnan(hit[0]["records"][6][0]["attn/delta2/entropy/layer_2/head_0"])
     assert not math.isnan(hit[0]["records"][7][0]["attn/delta2/entropy/layer_2/head_0"])
     assert hit[0]["records"][6][1]["mechmon"]["errors"] >= 1
+
+
+def test_a_snapshot_save_failing_on_one_rank_leaves_that_layer_out_on_every_rank(runs):
+    clean = [r["saved"] for r in runs[False]]
+    hit = [r["saved"] for r in runs[True]]
+    assert all(s["layers"] == [1, 2] for s in clean), clean
+    # Layer 1's rows are rank 0's and rank 1's: both leave it out; layer 2 is saved whole.
+    assert all(s["layers"] == [2] for s in hit), hit
+    assert [sorted(set(s["rows"])) for s in hit] == [[], [], ["layer_2"], ["layer_2"]], hit
+    assert [s["errors"] for s in hit] == [0, 1, 0, 0] and all(s["errors"] == 0 for s in clean)

@@ -308,3 +308,24 @@ def test_undeclared_signals_are_dropped_and_counted(tmp_path) -> None:
     with pytest.warns(RuntimeWarning, match="undeclared"):
         verdict = run(mon, range(2, 3))[0]
     assert "attn/bogus/x" not in verdict.signals and mon.errors == 1
+
+
+def test_a_save_failing_in_a_monitor_gives_a_void_state_that_every_load_refuses(tmp_path):
+    class Unsavable(SyntheticMonitor):
+        def state_dict(self) -> dict[str, Any]:
+            raise RuntimeError("cannot copy")
+
+    cfg = make_config(tmp_path)
+    cfg.strict = False
+    mon = MechMon(cfg).attach([Unsavable()], sinks=[])
+    run(mon, range(1, 5))
+    with pytest.warns(RuntimeWarning, match="state save failed"):
+        saved = mon.state_dict()
+    assert saved == {"version": 1, "void": "RuntimeError: cannot copy"}
+    assert mon.errors == 1
+    fresh = make_mon(make_config(tmp_path))
+    with pytest.raises(ValueError, match="not saved completely.*cannot copy"):
+        fresh.load_state_dict(saved)
+    with pytest.warns(RuntimeWarning, match="state load failed"):
+        assert not fresh.load_state_if_all(saved)  # the state fresh had is kept
+    assert fresh.monitored_steps == 0

@@ -43,9 +43,9 @@ from mechmon_megatron import comm
 from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, zero3_probe
 from mechmon_megatron.layouts.hf_attention import full_fp32_weight
 from mechmon_megatron.layouts.param_groups import classify
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
 from mechmon_megatron.monitors.probe_context import isolated
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
 
 __all__ = ["BatchCache", "scalar_loss", "deepspeed_optim_source"]
 
@@ -305,8 +305,11 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
                          groups._get_expert_data_parallel_group(name), 1.0 / dp)
         return grads
 
+    # No model parallelism here (the integration refuses TP > 1): the forward is collective
+    # only through expert-parallel all-to-alls.
+    local = all(groups._get_expert_parallel_world_size(name) == 1 for name in experts)
     probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
-                           adam_collective=True)
+                           adam_collective=True, local_model=local)
     return OptimSource(entries, probe=probe, **phases)
 
 

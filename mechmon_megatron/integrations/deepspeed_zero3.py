@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.probe_context import isolated
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
 
 __all__ = ["zero3_probe", "zero3_adam", "zero3_gradient", "zero3_weights",
            "zero3_memory_problem"]

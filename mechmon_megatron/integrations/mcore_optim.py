@@ -32,9 +32,9 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32, low_precision_reason
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
 from mechmon_megatron.monitors.probe_context import isolated
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe
 
 __all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders", "buckets",
            "EXCHANGE_BUCKET"]
@@ -202,8 +202,12 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
                 return None
             return adam_state(optimizer, tensors)
 
+        # The forward's own collectives: tensor, context, expert (and expert-tensor) parallel.
+        sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                 ps.get_expert_model_parallel_world_size(),
+                 ps.get_expert_tensor_parallel_world_size())
         probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state,
-                               routers=_routers(model))
+                               routers=_routers(model), local_model=set(sizes) == {1})
     return OptimSource(entries, read, probe, exchange=_exchange(tensors, optimizer))
 
 

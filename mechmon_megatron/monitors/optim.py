@@ -32,7 +32,7 @@ mean is the exact total; the ratios are derived from the reduced table.
 =====================================  ===========================================================
 
 Sharpness runs every ``sharpness.interval`` steps (a multiple of ``interval``) when the
-integration gave a :class:`~mechmon_megatron.monitors.sharpness.CurvatureProbe`
+integration gave a :class:`~mechmon_megatron.monitors.curvature_probe.CurvatureProbe`
 (:mod:`mechmon_megatron.monitors.sharpness`).
 """
 
@@ -48,7 +48,8 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.param_groups import GROUPS
-from mechmon_megatron.monitors.sharpness import CurvatureProbe, SharpnessEstimator
+from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
+from mechmon_megatron.monitors.sharpness import SharpnessEstimator
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
            "SHARPNESS_SIGNALS"]
@@ -177,10 +178,13 @@ class OptimMonitor:
                 self._error("update ratio", exc)
                 out.update(self._void())
         if self.estimator is not None and step % self.sharp_every == 0:
-            # Collective on every rank: the readiness vote, then the probe's products. An
-            # exception inside the products is not caught: it left this rank between them.
+            # Collective on every rank: the readiness vote, then the probe's products. A failed
+            # local phase voids the estimate on every rank; an exception inside the model's own
+            # collectives is not caught: it left this rank between them.
             if self.estimator.ready():
                 out.update(self.estimator.estimate())
+                if self.estimator.failure is not None:
+                    self._error("sharpness", self.estimator.failure)
         return out
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:

@@ -19,6 +19,13 @@ one SUM all-reduce per batch of inner products over ``group`` (five per product:
 finite-difference step's norm and the power iteration's four); the number of calls depends only
 on values that are identical on every rank. Host reads: the readiness vote and one transfer of
 the finished estimate (every intermediate stays on the device; ``tol > 0`` adds one per product).
+
+Failures (:mod:`~mechmon_megatron.monitors.probe_guard`): preparing the inputs and the device
+memory an estimate needs are checked before the readiness vote (a rank short of either votes
+"not ready": every rank skips); the estimator's local work, and the model's evaluation where the
+probe says it runs no collective (``local_model``), are local phases whose failure makes the
+estimate NaN on every rank at its last reduction. A failure inside the model's own collectives
+escapes (the orchestrator stops training rather than mispair them).
 """
 
 from __future__ import annotations
@@ -26,7 +33,6 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,81 +46,11 @@ from mechmon_megatron.math.curvature import (
     eos_threshold,
     power_iteration,
 )
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.probe_context import FrozenTopK
+from mechmon_megatron.monitors.probe_guard import LocalPhases, memory_shortfall
 
-__all__ = ["AdamState", "CurvatureProbe", "SharpnessEstimator"]
-
-
-@dataclass(frozen=True)
-class AdamState:
-    """What the probe needs from the optimizer, aligned with the probe's parameters."""
-
-    denominators: list[torch.Tensor]
-    """``sqrt(v_hat) + eps`` per parameter (fp32, the parameter's shape)."""
-    lrs: list[float]
-    """Learning rate of each parameter's group at this step."""
-    beta1: float
-    """Adam's beta1 (the largest over groups, the strictest threshold)."""
-    momentum: list[torch.Tensor]
-    """Adam's first moment per parameter (the cold-start direction)."""
-
-
-@dataclass
-class CurvatureProbe:
-    """A loss on one cached micro-batch, built by an integration.
-
-    Attributes:
-        names: parameter names, in the order of ``params``.
-        params: this rank's trainable parameters (shards), read-only here.
-        owned: whether this rank adds each parameter's elements to global inner products (every
-            distinct element is owned by exactly one rank of ``group``).
-        loss: ``override -> scalar loss`` on the cached micro-batch with the named parameters
-            replaced by the given tensors; ``None`` when no batch is cached.
-        reduce_grads: ``grads -> grads`` with training's gradient synchronisation (TP sequence
-            parallel, DP mean, expert DP); collective.
-        adam: ``() -> AdamState`` or ``None`` before the optimizer holds state for every param.
-        group: ranks that share the model (world).
-        adam_collective: ``adam`` runs collectives (DeepSpeed's gathered, voted state): it is
-            then called outside the readiness vote's guard (a local failure inside it cannot
-            be voided); else a failure of it votes "not ready".
-        gradient: ``points -> synchronised gradient at points`` for sources whose parameters
-            cannot be replaced functionally (ZeRO-3 partitions: the points are this rank's
-            partitions, written into the module and restored); replaces ``loss`` +
-            ``autograd.grad`` + ``reduce_grads``, and the products are then central differences.
-        weights: ``() -> current weights`` aligned with ``params``, read at each evaluation,
-            for sources whose ``params`` are not the live tensors (ZeRO-3's fp32 partitions,
-            which a checkpoint load may replace); None: ``params`` themselves.
-    """
-
-    names: list[str]
-    params: list[torch.nn.Parameter]
-    owned: list[bool]
-    loss: Callable[[Mapping[str, torch.Tensor]], torch.Tensor | None]
-    reduce_grads: Callable[[list[torch.Tensor]], list[torch.Tensor]]
-    adam: Callable[[], AdamState | None]
-    group: comm.Group = None
-    adam_collective: bool = False
-    gradient: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
-    weights: Callable[[], list[torch.Tensor]] | None = None
-    routers: Sequence[torch.nn.Module] = ()
-    """MoE router modules whose top-k choices are held fixed within an estimate
-    (:class:`~mechmon_megatron.monitors.probe_context.FrozenTopK`)."""
-
-    def dots(self, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
-             ) -> torch.Tensor:
-        """Global inner products ``[u . v, ...]`` over owned elements (float64): each summed on
-        the vectors' device in parameter order, one SUM all-reduce for the whole batch and no
-        host read."""
-        acc = None
-        for j, (u, v) in enumerate(pairs):
-            for own, a, b in zip(self.owned, u, v, strict=True):
-                if own:
-                    part = torch.dot(a.reshape(-1).double(), b.reshape(-1).double())
-                    if acc is None:
-                        acc = torch.zeros(len(pairs), dtype=torch.float64, device=part.device)
-                    acc[j] += part.to(acc.device)
-        acc = torch.zeros(len(pairs), dtype=torch.float64) if acc is None else acc
-        return comm.all_reduce_sum(acc, self.group)
+__all__ = ["SharpnessEstimator", "precondition"]
 
 
 class SharpnessEstimator:
@@ -134,17 +70,25 @@ class SharpnessEstimator:
         self.vector: list[torch.Tensor] | None = None
         self._inputs: tuple | None = None
         self._frozen = FrozenTopK(())
-        self._warned = False
+        self._phases = LocalPhases()
+        self.failure: Exception | None = None
+        """This rank's failed local phase in the last estimate (voided on every rank)."""
+        self._warned: set[str] = set()
         self._groups = [GROUPS.index(param_group(name)) for name in probe.names]
 
     def ready(self) -> bool:
         """Prepare this rank's inputs (optimizer state, preconditioner, start vector: local, may
-        fail) and vote (one MAX all-reduce): True when every rank of the group is ready."""
+        fail), check the device memory an estimate needs, and vote (one MAX all-reduce): True
+        when every rank of the group is ready."""
         local, self._inputs = 1, None
         state = self.probe.adam() if self.probe.adam_collective else None
         try:
             self._inputs = self._prepare(state)
-            local = int(self._inputs is None)
+            short = None if self._inputs is None else memory_shortfall(
+                self._inputs[2], int(self.config.iters))
+            if short is not None:
+                self._warn("memory", f"estimate skipped: {short}")
+            local = int(self._inputs is None or short is not None)
         except Exception:  # noqa: BLE001 - a rank that cannot prepare votes "not ready"
             self._inputs = None
         vote = comm.all_reduce_max(torch.tensor([local], dtype=torch.int64), self.probe.group)
@@ -171,68 +115,100 @@ class SharpnessEstimator:
         start = [v.to(p.device, p.dtype) for v, p in zip(vector, params, strict=True)]
         return state, scale, params, start
 
-    def estimate(self) -> dict[str, float]:
+    def estimate(self) -> dict[str, float | None]:
         """``eos_ratio`` (eta lambda / threshold), ``lambda`` (per unit of the largest LR),
         ``iters``, ``residual`` and the mode's shares, after :meth:`ready` said True; collective
         on every rank of the probe's group (its products run the model's own forward/backward
         collectives). Everything stays on the device until one transfer at the end (with
-        ``tol = 0``; the stop rule of ``tol > 0`` reads each product's estimate)."""
+        ``tol = 0``; the stop rule of ``tol > 0`` reads each product's estimate). A local phase
+        that fails on any rank (:class:`~.probe_guard.LocalPhases`) voids every value but
+        ``iters`` on every rank (None; NaN once reduced); this rank's exception is kept in
+        :attr:`failure`."""
         state, scale, params, start = self._inputs
-        self._inputs = None
+        self._inputs, self._phases = None, LocalPhases()
+        phase, zeros = self._phases.run, lambda: [torch.zeros_like(p) for p in params]
         self._frozen = FrozenTopK(self.probe.routers)
         if self.probe.routers and self.probe.gradient is None:  # record the routing at W
-            with self._frozen.active(), torch.no_grad():
-                self.probe.loss(dict(zip(self.probe.names, params, strict=True)))
-        sq = self.probe.dots([(params, params), (start, start)])
+            def record() -> None:
+                with self._frozen.active(), torch.no_grad():
+                    self.probe.loss(dict(zip(self.probe.names, params, strict=True)))
+            self._model(record, lambda: None)
+        sq = self._dots([(params, params), (start, start)])
         weight_norm = sq[0].clamp_min(0.0).sqrt()
-        start = [torch.where(sq[1] > 0.0, v, s.to(v.dtype))  # a zero start: the scale
-                 for v, s in zip(start, scale, strict=True)]
+        start = phase(lambda: [torch.where(sq[1] > 0.0, v, s.to(v.dtype))  # zero start: scale
+                               for v, s in zip(start, scale, strict=True)], zeros)
 
         def matvec(v: list[torch.Tensor]) -> list[torch.Tensor]:
-            u = [s * t for s, t in zip(scale, v, strict=True)]
+            u = phase(lambda: precondition(scale, v), zeros)
             hu = self._hvp(params, u, weight_norm)
-            return [s * t for s, t in zip(scale, hu, strict=True)]
+            return phase(lambda: precondition(scale, hu), zeros)
 
-        result: PowerResult = power_iteration(matvec, start, self.probe.dots,
+        result: PowerResult = power_iteration(matvec, start, self._dots,
                                               int(self.config.iters), float(self.config.tol))
-        packed = torch.cat([torch.stack([result.value, result.residual]).to(self._device()),
-                            self._shares(result.vector)])
-        value, residual, *shares = packed.tolist()
-        if self._frozen.misses and not self._warned:
-            self._warned = True
-            warnings.warn(f"mechmon optim.sharpness: {self._frozen.misses} top-k call(s) in a "
-                          "router did not match the estimate's first evaluation and were not "
-                          "held fixed (routing that changes shape between evaluations)",
-                          RuntimeWarning, stacklevel=2)
+        shares, failed = self._shares(result.vector)
+        value, residual, *shares_, void = torch.cat(
+            [torch.stack([result.value, result.residual]).to(shares.device), shares,
+             failed.to(shares.dtype).reshape(1)]).tolist()
+        self.failure = self._phases.error
+        if self._frozen.misses:
+            self._warn("routing", f"{self._frozen.misses} top-k call(s) in a router did not "
+                       "match the estimate's first evaluation and were not held fixed (routing "
+                       "that changes shape between evaluations)")
         dtype = torch.bfloat16 if self.config.vector_dtype == "bf16" else torch.float32
-        if math.isfinite(value):
+        if math.isfinite(value) and not void:
             self.vector = [v.detach().to(dtype) for v in result.vector]
         eta = max(state.lrs) if state.lrs else math.nan
-        return {
+        out = {
             "optim/sharpness/eos_ratio": value / eos_threshold(state.beta1),
             "optim/sharpness/lambda": value / eta if eta > 0 else None,
             "optim/sharpness/iters": float(result.iters),
             "optim/sharpness/residual": residual,
-            **{f"optim/sharpness/share/{g}": x for g, x in zip(GROUPS, shares, strict=True)},
+            **{f"optim/sharpness/share/{g}": x for g, x in zip(GROUPS, shares_, strict=True)},
         }
+        # A rank's failed local phase voids the values on every rank (``reduce_signals``: NaN).
+        return {k: x if k.endswith("/iters") or not void else None for k, x in out.items()}
+
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"mechmon optim.sharpness: {message}", RuntimeWarning, stacklevel=3)
 
     def _device(self) -> torch.device:
-        owned = [p for own, p in zip(self.probe.owned, self.probe.params, strict=True) if own]
-        return owned[0].device if owned else torch.device("cpu")
+        return self.probe.params[0].device if self.probe.params else torch.device("cpu")
 
-    def _shares(self, vector: Sequence[torch.Tensor]) -> torch.Tensor:
+    def _dots(self, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
+              ) -> torch.Tensor:
+        """The probe's inner products with the local part as a phase (zeros once failed)."""
+        part = self._phases.run(lambda: self.probe.local_dots(pairs), lambda: torch.zeros(
+            len(pairs), dtype=torch.float64, device=self._device()))
+        return comm.all_reduce_sum(part, self.probe.group)
+
+    def _model(self, fn: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+        """An evaluation of the model: a local phase when it runs no collective
+        (``probe.local_model``); else run on every rank whatever happened before (its
+        collectives must pair), and an exception from it is raised."""
+        return self._phases.run(fn, fallback) if self.probe.local_model else fn()
+
+    def _shares(self, vector: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The fraction of the top eigenvector's squared norm in each weight group
-        (``layouts.param_groups.GROUPS``): where the mode at the edge of stability lives. One
-        SUM all-reduce of a ``len(GROUPS)`` vector over owned elements, on the device; NaN when
-        the vector is zero or not finite."""
-        acc = torch.zeros(len(GROUPS), dtype=torch.float64, device=self._device())
-        for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True):
-            if own:
-                acc[g] += v.double().pow(2).sum().to(acc.device)
-        acc = comm.all_reduce_sum(acc, self.probe.group)
-        total = acc.sum()
+        (``layouts.param_groups.GROUPS``: where the mode at the edge of stability lives; NaN
+        when the vector is zero or not finite) and whether a rank's local phase failed: one SUM
+        all-reduce of ``len(GROUPS) + 1`` values over owned elements, on the device."""
+        def parts() -> torch.Tensor:
+            acc = torch.zeros(len(GROUPS), dtype=torch.float64, device=self._device())
+            for own, g, v in zip(self.probe.owned, self._groups, vector, strict=True):
+                if own:
+                    acc[g] += v.double().pow(2).sum().to(acc.device)
+            return acc
+
+        acc = self._phases.run(parts, lambda: torch.zeros(len(GROUPS), dtype=torch.float64,
+                                                           device=self._device()))
+        flag = torch.full((1,), float(self._phases.failed), dtype=torch.float64,
+                          device=acc.device)
+        acc = comm.all_reduce_sum(torch.cat([acc, flag]), self.probe.group)
+        total = acc[:-1].sum()
         ok = total.isfinite() & (total > 0.0)
-        return torch.where(ok, acc / total, math.nan)
+        return torch.where(ok, acc[:-1] / total, math.nan), acc[-1] > 0.0
 
     def memory_bytes(self) -> int:
         """Bytes held between evaluations (the warm-start vector)."""
@@ -259,24 +235,36 @@ class SharpnessEstimator:
 
     def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: torch.Tensor,
                  ) -> list[torch.Tensor]:
-        with self._frozen.active():
-            if self.probe.gradient is not None:
+        if self.probe.gradient is not None:  # collective (ZeRO-3 gathers), run on every rank
+            with self._frozen.active():
                 return self.probe.gradient([p + s * d for p, d in zip(params, u, strict=True)])
+
+        def local() -> list[torch.Tensor]:
             points = [(p + s * d).requires_grad_(True) for p, d in zip(params, u, strict=True)]
-            loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
-            grads = torch.autograd.grad(loss, points, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g.detach()
-                 for g, p in zip(grads, points, strict=True)]
+            with self._frozen.active():
+                loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
+                grads = torch.autograd.grad(loss, points, allow_unused=True)
+            return [torch.zeros_like(p) if g is None else g.detach()
+                    for g, p in zip(grads, points, strict=True)]
+
+        grads = self._model(local, lambda: [torch.zeros_like(p) for p in params])
         return self.probe.reduce_grads(grads)
 
     def _hvp(self, params: list[torch.Tensor], u: list[torch.Tensor], weight_norm: torch.Tensor,
              ) -> list[torch.Tensor]:
         if self.config.method == "double_backward" and self.probe.gradient is None:
-            points = [p.clone().requires_grad_(True) for p in params]
-            with self._frozen.active():
-                loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
-                hvp = double_backward_hvp(loss, points, u)
-            return self.probe.reduce_grads(hvp)
-        u_norm = self.probe.dots([(u, u)])[0].clamp_min(0.0).sqrt()
+            def local() -> list[torch.Tensor]:
+                points = [p.clone().requires_grad_(True) for p in params]
+                with self._frozen.active():
+                    loss = self.probe.loss(dict(zip(self.probe.names, points, strict=True)))
+                    return double_backward_hvp(loss, points, u)
+            return self.probe.reduce_grads(
+                self._model(local, lambda: [torch.zeros_like(p) for p in params]))
+        u_norm = self._dots([(u, u)])[0].clamp_min(0.0).sqrt()
         h = float(self.config.fd_scale) * weight_norm / u_norm.clamp_min(1e-30)
         return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h)
+
+
+def precondition(scale: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``D^1/2 v`` elementwise (``scale = D^1/2``, aligned with ``v``)."""
+    return [s * t for s, t in zip(scale, v, strict=True)]

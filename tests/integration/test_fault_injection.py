@@ -4,7 +4,8 @@ Four real gloo ranks train the reference trainer's megatron-core MoE GPT at TP=2
 QK (per head and layer sketch), router and optim monitors on every step. Rank 1 raises at one
 site per step: the QK read's local phase, the per-head spectra, the sketch's inputs, the
 sketch's operator setup (steps 2-5), the save of its QK snapshot rows in the checkpoint after
-step 5, the monitor state load on resume, the router's packing and the optim read (steps 6-7).
+step 5, the monitor state load on resume, the router's packing, the optim read and a local phase
+of the sharpness estimate (steps 6-8; the estimate's forward runs the TP collectives).
 Nothing hangs (the harness's timeout), every rank ends with the same table at every step
 (nothing mispaired), exactly the affected signals are NaN, training is bitwise what it is
 without the injections, and coverage counts each error; the failed save leaves layer 1 out of
@@ -24,7 +25,8 @@ from tests._dist import run_distributed
 
 pytest.importorskip("megatron.core")
 
-SITES = {2: "read", 3: "spectra", 4: "sketch_inputs", 5: "sketch", 6: "router", 7: "optim"}
+SITES = {2: "read", 3: "spectra", 4: "sketch_inputs", 5: "sketch", 6: "router", 7: "optim",
+         8: "sharpness"}
 STEPS = 8
 
 
@@ -42,7 +44,7 @@ def _config(out_dir: str, steps: int, load: str | None = None) -> dict:
             "qk": {"interval": 1, "warmup_steps": 0},
             "router": {"enabled": True, "interval": 1},
             "optim": {"enabled": True, "interval": 1, "warmup_steps": 0,
-                      "sharpness": {"enabled": False}},
+                      "sharpness": {"interval": 8, "iters": 2, "tol": 0.0, "batch_size": 0}},
             "actions": {"on_alarm": "log"},
             "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}},
         },
@@ -53,7 +55,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     import warnings
 
     from mechmon_megatron import monitor as mm
-    from mechmon_megatron.monitors import qk_observe, qk_sketch, qk_state, router
+    from mechmon_megatron.monitors import qk_observe, qk_sketch, qk_state, router, sharpness
     from mechmon_megatron.train import trainer
 
     warnings.simplefilter("ignore")
@@ -95,6 +97,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     qk_sketch.operators = injected("sketch", qk_sketch.operators)
     router.RouterMonitor._layer_sums = injected("router", router.RouterMonitor._layer_sums)
     qk_state._layout = injected("save", qk_state._layout)
+    sharpness.precondition = injected("sharpness", sharpness.precondition)
     sharded_state, saved = mm.MechMon.sharded_state, {}
 
     def save(self, *args, **kwargs):  # the checkpoint at step 5: rank 1's layer 1 rows fail
@@ -159,7 +162,7 @@ def _nan(table: dict, prefix: str, layer: int, heads=None) -> dict[str, bool]:
 
 
 FAMILY = {"read": "attn", "spectra": "attn", "sketch_inputs": "attn", "sketch": "attn",
-          "router": "router", "optim": "optim"}
+          "router": "router", "optim": "optim", "sharpness": "optim"}
 
 
 def test_each_injection_voids_exactly_its_signals_on_every_rank(runs):
@@ -182,6 +185,10 @@ def test_each_injection_voids_exactly_its_signals_on_every_rank(runs):
             assert all(_nan(table, "router/entropy_mean", 1).values())
             assert all(_nan(table, "router/entropy_mean", 2).values())
             assert not any(_nan(table, "router/weight_cosine", 1).values())
+        elif site == "sharpness":  # a local phase of the estimate at TP=2 (model collectives)
+            sharp = [k for k in ref if k.startswith("optim/sharpness/") and "iters" not in k]
+            assert len(sharp) > 3 and not any(math.isnan(ref[k]) for k in sharp), ref
+            assert voided == set(sharp), voided
         else:
             assert math.isnan(table["optim/update_ratio/all"])
             assert not math.isnan(ref["optim/update_ratio/all"])

@@ -16,7 +16,8 @@ from mechmon_megatron.math.curvature import (
     power_iteration,
     top_eigenpair,
 )
-from mechmon_megatron.monitors.sharpness import AdamState, CurvatureProbe, SharpnessEstimator
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
+from mechmon_megatron.monitors.sharpness import SharpnessEstimator
 
 
 def _model() -> torch.nn.Module:

@@ -193,7 +193,7 @@ class MechMonCallback:
                 step = int(state.train_state.step)
                 directory = _iteration_dir(save, step)
                 self.mon.note_checkpoint(step, directory)
-                save_state(self.mon, directory)
+                save_state(self.mon, directory, step)
             return result
 
         module.save_checkpoint = save_checkpoint

@@ -392,7 +392,7 @@ class MegatronLMHooks:
         if save and not a.get("non_persistent_ckpt") and not a.get("release"):
             directory = _iteration_dir(save, int(a["iteration"]))
             self.mon.note_checkpoint(int(a["iteration"]), directory)
-            save_state(self.mon, directory)
+            save_state(self.mon, directory, int(a["iteration"]))
         return result
 
     def _announce_exit(self, alarm: Any, when: str) -> None:

@@ -81,9 +81,15 @@ def _sharded(mon: Any) -> bool:
     return any(hasattr(m, "sharded_state") for m in mon.monitors)
 
 
-def save_state(mon: Any, directory: str) -> None:
+def save_state(mon: Any, directory: str, iteration: int | None = None) -> None:
     """Write ``directory``'s ``mechmon/`` and this rank's ``mechmon_rank{r}.pt``; collective
     (call on every rank after the framework's save of the same iteration).
+
+    ``iteration``: the saved iteration. A snapshot taken at it is not stored but read again
+    after the load (``MechMon.sharded_state(rebuild_at=...)``): the re-read returns the weights
+    training resumes from, which are the saved fp32 weights, and under ``--no-load-optim`` or
+    ``--no-save-optim`` the fp32 copy Megatron rebuilds from the model's weights (a stored
+    snapshot would then put the rounding into the next window's update).
 
     A failure to write the rank file is warned (a resume then starts afresh); a failure inside
     dist_checkpointing's collective save propagates, as Megatron's own save failures do.
@@ -91,7 +97,7 @@ def save_state(mon: Any, directory: str) -> None:
     from megatron.core import dist_checkpointing
 
     rank = comm.global_rank()
-    common, rows = mon.sharded_state()
+    common, rows = mon.sharded_state(rebuild_at=iteration)
     if _sharded(mon):
         shard_dir = os.path.join(directory, SHARD_DIR)
         if rank == 0:

@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from tests.integration.test_megatron_lm_real import (  # noqa: F401 - pytestmark applies here
@@ -85,9 +86,10 @@ sys.exit(launcher.main(sys.argv[1:]))
                          ids=["tp2_to_dp2", "pp2_to_dp2"])
 def test_a_resume_under_another_layout_restores_the_sharded_qk_snapshots(job, saved):
     """Saved at TP=2 (or PP=2) on 2 ranks, resumed at TP=1 x PP=1 x DP=2: every layer's
-    snapshot of the checkpoint step is restored from ``mechmon/`` on the rank that owns it now,
-    equal (bitwise) to what the QK read gives from the loaded weights, and the first monitored
-    step after the resume has QK signals (a re-snapshot would leave it empty)."""
+    snapshot of the checkpoint step is not stored but read again, on the rank that owns it now,
+    equal (bitwise) to what the QK read gives from the loaded weights; its older pair comes from
+    ``mechmon/``; and the first monitored step after the resume has QK signals (a re-snapshot
+    would leave it empty)."""
     config = job.tmp / "mechmon.yaml"
     config.write_text(yaml.safe_dump({
         "output_dir": str(job.tmp / "mechmon_out"), "qk": {"interval": 2},
@@ -108,6 +110,13 @@ def test_a_resume_under_another_layout_restores_the_sharded_qk_snapshots(job, sa
     step_dir = job.save / "iter_0000006"
     assert (step_dir / "mechmon" / "metadata.json").is_file()
     assert all((step_dir / f"mechmon_rank{r}.pt").is_file() for r in (0, 1))
+    # Iteration 6 is a monitored step: its snapshot is the saved weights, read again on load;
+    # only the older pair (qk.coherence) is stored.
+    common = torch.load(step_dir / "mechmon_rank0.pt", weights_only=False)["mechmon"]
+    meta = next(m["sharded"] for m in common["monitors"] if isinstance(m, dict) and "sharded" in m)
+    assert sorted(meta) == [1, 2], meta
+    assert all(info["rebuild"] and info["step"] == 6 and info["names"] == ["wq_prev", "wk_prev"]
+               for info in meta.values()), meta
 
     code, out = job.torchrun(2, target(), SNAP_OUT=str(snap_out))
     assert code == 0, out[-4000:]

@@ -37,6 +37,7 @@ __all__ = [
     "device_for_group",
     "all_reduce_sum",
     "all_reduce_max",
+    "reduce_sum",
     "all_gather_cat",
     "all_gather_object",
     "all_gather_union",
@@ -124,6 +125,16 @@ def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     return _reduce(tensor, dist.ReduceOp.MAX if is_distributed() else None, group)
 
 
+def reduce_sum(tensor: torch.Tensor, dst: int, group: Group = None) -> torch.Tensor:
+    """Out-of-place SUM reduce to group rank ``dst``: the sum there, elsewhere this rank's own
+    part back (half the traffic of an all-reduce, for a result one rank uses)."""
+    if world_size(group) == 1:
+        return tensor
+    buf = tensor.detach().to(device=device_for_group(group), copy=True).contiguous()
+    dist.reduce(buf, dst=group_ranks(group)[int(dst)], op=dist.ReduceOp.SUM, group=group)
+    return buf.to(tensor.device)
+
+
 def all_gather_cat(tensor: torch.Tensor, group: Group = None, dim: int = 0) -> torch.Tensor:
     """All-gather equal-shaped tensors and concatenate them along ``dim`` in group-rank order."""
     n = world_size(group)
@@ -157,17 +168,19 @@ def _flagged(local: torch.Tensor | None, shape: tuple[int, ...], void: bool | to
 
 def sum_or_void(local: torch.Tensor | None, shape: tuple[int, ...], group: Group = None,
                 void: bool | torch.Tensor = False, dtype: torch.dtype = torch.float32,
-                defer: bool = False) -> tuple[torch.Tensor, bool | torch.Tensor]:
-    """The collective phase of a sharded read: a SUM all-reduce every rank issues with shape
-    ``shape``, whatever its local phase did.
+                defer: bool = False, dst: int | None = None,
+                ) -> tuple[torch.Tensor, bool | torch.Tensor]:
+    """The collective phase of a sharded read: a SUM all-reduce (with ``dst``: a reduce to that
+    group rank) every rank issues with shape ``shape``, whatever its local phase did.
 
     A rank whose local phase failed (``local`` None, of another size, or ``void``) sends zeros
     and a void flag in the same call (one extra element). Returns ``(sum [shape], void)`` with
-    ``void`` true on every rank when it was set on any: a bool (one host read), or with
-    ``defer`` a ``[1]`` bool tensor on the result's device (no host read; the sum is then
-    meaningless where it is true).
+    ``void`` true when it was set on any rank (on every rank; with ``dst`` only there, elsewhere
+    both are meaningless): a bool (one host read), or with ``defer`` a ``[1]`` bool tensor on
+    the result's device (no host read; the sum is then meaningless where it is true).
     """
-    out = all_reduce_sum(_flagged(local, tuple(shape), void, dtype), group)
+    flat = _flagged(local, tuple(shape), void, dtype)
+    out = all_reduce_sum(flat, group) if dst is None else reduce_sum(flat, dst, group)
     flag = out[-1:] > 0
     return out[:-1].view(tuple(shape)), flag if defer else bool(flag.item())
 

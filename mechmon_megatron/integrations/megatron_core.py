@@ -25,13 +25,20 @@ from mechmon_megatron.layouts.megatron_qkv import (
     qk_layout,
     qk_read_phases,
 )
+from mechmon_megatron.monitors.qk_source import owner_replica
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 
 __all__ = ["qk_sources", "build_monitors", "attach", "needs_param_sync", "force_param_sync"]
 
 
-def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> list[QKSource]:
-    """One :class:`QKSource` per self-attention layer held by this rank.
+def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None, dp_rank: int = 0,
+               dp_size: int = 1) -> list[QKSource]:
+    """One :class:`QKSource` per self-attention layer held by this rank; collective where the
+    optimizer's fp32 main params are DP-sharded (one all-gather of the DP ranks).
+
+    ``dp_rank`` / ``dp_size``: this rank's replica in the QK monitor's DP split
+    (:func:`~mechmon_megatron.monitors.qk_source.owner_replica`); sharded fp32 main params are
+    then reduced to the layer's owner only, and a DP group without the owner skips the exchange.
 
     Raises:
         UnsupportedAttentionError: for MLA, cross-attention or unknown attention modules.
@@ -47,17 +54,23 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None) -> li
     why = low_precision_reason(found[0][1].linear_qkv.weight, optimizer)
     if why is not None:
         warnings.warn(f"mechmon qk: {why}", RuntimeWarning, stacklevel=2)
+    group = fp32_sum_group(found[0][1].linear_qkv.weight, optimizer)
+    # The replica of each rank of the fp32 group (the optimizer's DP group: all of DP, or one
+    # distributed-optimizer instance), so the sharded weight goes to the layer's owner only.
+    members = [] if group is None else comm.all_gather_object(int(dp_rank), group)
     sources = []
     for name, attn in found:
         layout = qk_layout(attn, tp_rank, tp_size)
+        owner = owner_replica(int(attn.layer_number), dp_size)
+        dst = members.index(owner) if owner in members else None
         read, exchange, finish = qk_read_phases(attn, layout, tp_rank, tp_size, tp_group,
-                                                optimizer)
+                                                optimizer, dp_dst=dst)
         sources.append(QKSource(
             layer=int(attn.layer_number), name=name, num_heads=layout["num_heads"],
             head_index=layout["head_index"], group_index=layout["group_index"], read=read,
             sketch_group=tp_group, num_groups=layout["num_groups"], exchange=exchange,
             finish=finish,
-            dp_exchange=fp32_sum_group(attn.linear_qkv.weight, optimizer) is not None,
+            dp_exchange=group is not None and dst is not None,
             dims=(int(layout["head_dim"]), int(attn.linear_qkv.weight.shape[-1]))))
     return sources
 
@@ -79,7 +92,7 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
     dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
     monitors: list[Any] = []
     if config.qk.enabled:
-        sources = qk_sources(model_chunks, optimizer)
+        sources = qk_sources(model_chunks, optimizer, dp_rank=dp_rank, dp_size=dp_size)
         all_layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
         if not all_layers:
             raise ValueError("qk.enabled is true but the model has no megatron-core "

@@ -21,7 +21,8 @@ data-dependent 1/rms and the bias ignored). RoPE is ignored (the weight form is 
 Weights read (in order of preference): ``param.main_param`` when the optimizer keeps an fp32
 master copy (megatron ``Float16OptimizerWithFloat16Params``; with ``DistributedOptimizer`` the
 DP-local flat slice is rebuilt over the DP group by a SUM all-reduce of a zero buffer holding
-this rank's slice), otherwise the parameter itself (fp32 training, plain torch optimizers).
+this rank's slice, or in the QK read a SUM reduce to the rank that uses it), otherwise the
+parameter itself (fp32 training, plain torch optimizers).
 """
 
 from __future__ import annotations
@@ -258,7 +259,7 @@ def qk_rows(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int,
 
 
 def qk_read_phases(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int,
-                   tp_group: comm.Group, optimizer: Any = None
+                   tp_group: comm.Group, optimizer: Any = None, dp_dst: int | None = None,
                    ) -> tuple[Callable[[], torch.Tensor],
                               Callable[[torch.Tensor | None], tuple[torch.Tensor, bool]],
                               Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
@@ -266,15 +267,23 @@ def qk_read_phases(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int
     ``read`` (local fp32 part, may fail), ``exchange`` (DP sum of sharded main params, then TP
     gather when ng < tp: fixed shapes, a failed local phase travels as the void flag, left on
     the device for the monitor's one transfer) and
-    ``finish`` (:func:`qk_rows`)."""
+    ``finish`` (:func:`qk_rows`).
+
+    ``dp_dst``: the rank of :func:`fp32_sum_group` that uses the rows (the layer's owner in a
+    DP split): the sharded main params are reduced to it instead of all-reduced, and the TP
+    gather runs only on its replica; elsewhere the exchange returns void (True)."""
     param = attn.linear_qkv.weight
     shape = tuple(param.shape)
     dp_group = fp32_sum_group(param, optimizer)
+    user = dp_group is None or dp_dst is None or comm.rank(dp_group) == dp_dst
 
     def exchange(local: torch.Tensor | None) -> tuple[torch.Tensor, bool | torch.Tensor]:
         weight, void = local, local is None
         if dp_group is not None:
-            weight, void = comm.sum_or_void(weight, shape, dp_group, void, defer=True)
+            weight, void = comm.sum_or_void(weight, shape, dp_group, void, defer=True,
+                                            dst=dp_dst)
+        if not user:  # the whole TP group of this replica: no rank here uses the rows
+            return torch.zeros(shape), True
         if layout["gathered"]:
             weight, void = comm.gather_or_void(weight, shape, tp_group, void, defer=True)
         return (weight if weight is not None else torch.zeros(shape)), void

@@ -15,7 +15,7 @@ import torch
 
 from mechmon_megatron import comm
 
-__all__ = ["QKSource"]
+__all__ = ["QKSource", "owner_replica"]
 
 
 @dataclass
@@ -93,3 +93,9 @@ class QKSource:
         if self.num_groups is not None:
             return int(self.num_groups)
         return self.num_heads * local_groups // max(self.head_index.numel(), 1)
+
+
+def owner_replica(layer: int, dp_size: int) -> int:
+    """The data-parallel replica that computes ``layer`` in the QK monitor's split:
+    ``(layer - 1) % dp_size`` (consecutive layers on consecutive replicas)."""
+    return (int(layer) - 1) % int(dp_size)

@@ -49,7 +49,7 @@ from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_observe import STATS, QKObserve, layer_stats
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
-from mechmon_megatron.monitors.qk_source import QKSource
+from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
 from mechmon_megatron.monitors.qk_state import (
     RowShard,
     restore_snapshots,
@@ -174,7 +174,7 @@ class QKUpdateMonitor(QKObserve):
 
     def owns(self, layer: int) -> bool:
         """Whether this rank's DP replica computes ``layer`` (``(layer - 1) % dp_size``)."""
-        return (layer - 1) % self.dp_size == self.dp_rank
+        return owner_replica(layer, self.dp_size) == self.dp_rank
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
         """Per-layer mean/min/max over heads from the reduced table (see :func:`layer_stats`)."""

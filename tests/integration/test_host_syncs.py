@@ -25,9 +25,9 @@ pytest.importorskip("megatron.core")
 INTERVAL = 4
 STEPS = 12
 _HOST = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
-_COMM = ("all_reduce_sum", "all_reduce_max", "all_gather_cat", "all_gather_object",
+_COMM = ("all_reduce_sum", "all_reduce_max", "reduce_sum", "all_gather_cat", "all_gather_object",
          "all_gather_union", "broadcast_object", "barrier", "sum_or_void", "gather_or_void")
-_DIST = ("all_reduce", "all_gather", "broadcast", "barrier", "all_gather_object",
+_DIST = ("all_reduce", "reduce", "all_gather", "broadcast", "barrier", "all_gather_object",
          "broadcast_object_list", "reduce_scatter", "all_to_all")
 
 

@@ -79,8 +79,30 @@ from mechmon_megatron.layouts.megatron_qkv import _owning_optimizer, fp32_weight
 real_install = megatron_lm.install
 
 
-def check(model, optimizer):
-    rows = []
+def raise_(where, exc):
+    raise exc
+
+
+def qk_reads(mon, fulls):
+    """The QK sources' reads (owner: the rows; elsewhere the exchange's void) against the rows
+    of the optimizer's gathered fp32 shards."""
+    qk = next(m for m in mon.monitors if m.family == "attn")
+    out = []
+    for source in qk.sources:
+        if not (qk.owns(source.layer) or source.dp_exchange):
+            continue
+        rows, void = source.read_rows(raise_)
+        row = {"layer": source.layer, "owner": qk.owns(source.layer), "void": bool(void)}
+        if qk.owns(source.layer):
+            want = source.finish(fulls[source.layer])
+            row["max_abs_diff_rows"] = max(float((a - b).abs().max())
+                                           for a, b in zip(rows, want))
+        out.append(row)
+    return out
+
+
+def check(model, optimizer, mon):
+    rows, fulls = [], {}
     for chunk in model:
         for name, param in chunk.named_parameters():
             if not name.endswith("linear_qkv.weight"):
@@ -98,6 +120,7 @@ def check(model, optimizer):
             for start, end, values in parts:               # the optimizer's fp32 shards
                 if values is not None:
                     full[start:end] = values
+            fulls[int(name.split("layers.")[1].split(".")[0]) + 1] = full.view(param.shape)
             rows.append({
                 "name": name,
                 "sharded": bool(getattr(param, "main_param_sharded", False)),
@@ -111,7 +134,7 @@ def check(model, optimizer):
             })
     path = os.path.join(os.environ["FP32_OUT"], f"rank{dist.get_rank()}.json")
     with open(path, "w") as fh:
-        json.dump(rows, fh)
+        json.dump({"weights": rows, "qk": qk_reads(mon, fulls)}, fh)
 
 
 def install(config, *args, **kwargs):
@@ -121,7 +144,7 @@ def install(config, *args, **kwargs):
     def train_step(*a, **k):
         out = inner(*a, **k)
         if k.get("iteration") == 2:
-            check(a[2], a[3])
+            check(a[2], a[3], hooks.mon)
         return out
 
     hooks.training.train_step = train_step
@@ -290,8 +313,10 @@ def test_distributed_optimizer_fp32_weight_reads_the_optimizers_fp32_main_params
     code, out = job.torchrun(2, target, FP32_OUT=str(fp32_out))
     assert code == 0, out[-4000:]
     assert "(not the distributed optimizer)" in out  # no sharpness probe, said once per rank
+    reads = []
     for rank in (0, 1):
-        rows = json.loads((fp32_out / f"rank{rank}.json").read_text())
+        dump = json.loads((fp32_out / f"rank{rank}.json").read_text())
+        rows, reads = dump["weights"], reads + dump["qk"]
         assert len(rows) == 2  # one fused QKV weight per layer
         for row in rows:
             assert row["sharded"] and row["covered"] and row["model_dtype"] == "torch.bfloat16"
@@ -299,6 +324,13 @@ def test_distributed_optimizer_fp32_weight_reads_the_optimizers_fp32_main_params
             assert row["max_abs_diff_vs_main"] == 0.0
             assert row["bf16_of_read_equals_model"]
             assert row["frac_read_differs_from_model"] > 0.5  # fp32, not the bf16 weight
+    # The QK source reduces each layer's sharded fp32 weight to its owner (layer 1: rank 0,
+    # layer 2: rank 1): exactly the optimizer's fp32 rows there, void on the other rank.
+    owned = sorted((r["layer"], r["void"], r.get("max_abs_diff_rows")) for r in reads
+                   if r["owner"])
+    assert owned == [(1, False, 0.0), (2, False, 0.0)], reads
+    assert sorted((r["layer"], r["void"]) for r in reads if not r["owner"]) == \
+        [(1, True), (2, True)], reads
     metrics = [json.loads(line) for line in
                (job.tmp / "mechmon_out" / "metrics.jsonl").read_text().splitlines()]
     attn = [v for m in metrics for k, v in m.get("signals", {}).items()

@@ -126,7 +126,9 @@ def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> lis
                              "the HF-style QK layout; set qk.enabled: false")
         collective = bool(engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled()
                           or engine.fp16_enabled())
-        sources = hf_qk_sources(engine.module, comm.SELF, collective=collective)
+        sources = hf_qk_sources(engine.module, comm.SELF, collective=collective,
+                                dp_rank=groups._get_data_parallel_rank(),
+                                dp_size=groups._get_data_parallel_world_size())
         layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
         if not layers:
             raise ValueError("mechmon.qk.enabled is true but the model has no attention module "

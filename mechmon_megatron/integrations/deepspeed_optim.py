@@ -3,7 +3,7 @@
 Parameters: every trainable parameter of ``engine.module``, grouped by its HF-style name
 (:func:`mechmon_megatron.layouts.param_groups.classify`). Weights are the fp32 values the
 optimizer updates, read with DeepSpeed's own calls
-(:func:`mechmon_megatron.layouts.hf_attention.full_fp32_weight`: ``safe_get_full_fp32_param``
+(:func:`mechmon_megatron.layouts.deepspeed_fp32.full_fp32_weight`: ``safe_get_full_fp32_param``
 under ZeRO 1-3 and the bf16 optimizer, the parameter itself otherwise); every rank reads every
 parameter in ``named_parameters`` order, so the collectives match.
 
@@ -41,7 +41,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, zero3_probe
-from mechmon_megatron.layouts.hf_attention import full_fp32_weight
+from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource

@@ -17,11 +17,10 @@ A per-head qk-norm (``q_norm`` / ``k_norm`` with a ``[K]`` weight, Qwen3 style) 
 ``diag(gamma) rows`` (RMSNorm; a LayerNorm also centres the rows); the data-dependent 1/rms is
 ignored. Biases and RoPE are ignored (the weight form is monitored).
 
-Weights are the fp32 values the optimizer updates, read with DeepSpeed's own collectives
-(:func:`full_fp32_weight`): ZeRO-3 ``param._z3_optimizer.get_full_hp_param`` (all-gather of the
-fp32 partitions), ZeRO-1/2 and the bf16 optimizer ``param.get_full_hp_param()`` (SUM all-reduce of
-a zero buffer holding this rank's fragment over the parameter's DP group), a ZeRO-3 parameter
-without an fp32 master under ``GatheredParameters``, otherwise the parameter itself. Every branch
+Weights are the fp32 values the optimizer updates: ZeRO-1/2 and the bf16 optimizer hold
+fragments, read in phases and summed on the layer's owner only; the rest with DeepSpeed's own
+collectives (ZeRO-3 gathers its fp32 partitions), otherwise the parameter itself
+(:mod:`~mechmon_megatron.layouts.deepspeed_fp32`). Every branch
 depends only on the parameter's attributes, identical on every DP rank, so every rank issues the
 same collectives in the same order as long as it reads the same sources in the same order.
 
@@ -39,13 +38,19 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.deepspeed_fp32 import (
+    fragment_group,
+    full_fp32_weight,
+    local_fragments,
+    unflatten,
+)
 from mechmon_megatron.layouts.norms import fold_norm
+from mechmon_megatron.monitors.qk_source import owner_replica
 from mechmon_megatron.monitors.qk_update import QKSource
 
 __all__ = [
     "UnsupportedAttentionError",
     "find_hf_attention",
-    "full_fp32_weight",
     "hf_qk_sources",
     "layer_number_of",
     "split_fused_qkv",
@@ -151,24 +156,6 @@ def _numel(param: torch.Tensor) -> int:
     return int(getattr(param, "ds_numel", None) or param.numel())
 
 
-def full_fp32_weight(param: torch.nn.Parameter) -> torch.Tensor:
-    """The full fp32 weight the optimizer updates (collective over the parameter's DP group).
-
-    See the module docstring for the branches; call on every rank in the same order.
-    """
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    full = safe_get_full_fp32_param(param)
-    if full is not None:
-        return full.detach().float()
-    if hasattr(param, "ds_id"):
-        from deepspeed.zero import GatheredParameters
-
-        with GatheredParameters([param]):
-            return param.detach().float().clone()
-    return param.detach().float().clone()
-
-
 def split_fused_qkv(weight: torch.Tensor, num_heads: int, num_groups: int,
                     head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Q and K rows of a megatron-style fused ``[G * (H/G + 2) * K, D]`` weight.
@@ -183,40 +170,59 @@ def split_fused_qkv(weight: torch.Tensor, num_heads: int, num_groups: int,
     return wq_HKD, wk_GKD
 
 
-def _gamma(norm: Any, weight_fn: Callable) -> torch.Tensor | None:
-    """The norm's scale through ``weight_fn`` (gathered under ZeRO-3), collective-safe: every
-    rank reads the same modules."""
-    weight = getattr(norm, "weight", None)
-    return None if weight is None else weight_fn(weight)
+def _params(info: dict[str, Any]) -> list[torch.nn.Parameter]:
+    """The parameters a read of ``info``'s rows takes, in the order every rank reads them:
+    the projections (``q_proj``, ``k_proj`` or the fused one), then the qk-norm scales."""
+    module = info["module"]
+    params = ([module.q_proj.weight, module.k_proj.weight] if info["layout"] == "separate"
+              else [info["qkv"].weight])
+    for norm_name in ("q_norm", "k_norm"):
+        weight = getattr(getattr(module, norm_name, None), "weight", None)
+        if weight is not None:
+            params.append(weight)
+    return params
 
 
-def _reader(info: dict[str, Any],
-            weight_fn: Callable[[torch.nn.Parameter], torch.Tensor]
-            ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+def _rows(info: dict[str, Any], weights: list[torch.Tensor]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(wq_HKD, wk_GKD)`` from the fp32 values of :func:`_params` (local)."""
     module, heads, groups, head_dim = (info["module"], info["num_heads"], info["num_groups"],
                                        info["head_dim"])
+    if info["layout"] == "separate":
+        wq_HKD = weights[0].reshape(heads, head_dim, -1)
+        wk_GKD = weights[1].reshape(groups, head_dim, -1)
+        norms = weights[2:]
+    else:
+        wq_HKD, wk_GKD = split_fused_qkv(weights[0], heads, groups, head_dim)
+        norms = weights[1:]
+    gammas = iter(norms)
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
+    q_gamma = next(gammas) if getattr(q_norm, "weight", None) is not None else None
+    k_gamma = next(gammas) if getattr(k_norm, "weight", None) is not None else None
+    return (fold_norm(wq_HKD.contiguous(), q_norm, q_gamma),
+            fold_norm(wk_GKD.contiguous(), k_norm, k_gamma))
+
+
+def _phases(info: dict[str, Any], weight_fn: Callable[[torch.nn.Parameter], torch.Tensor],
+            collective: bool, dst: Callable[[comm.Group], int | None]) -> dict[str, Any]:
+    """``QKSource`` read fields. ZeRO-1/2 fragments (:mod:`.deepspeed_fp32`): local
+    fragments, one SUM reduce to the layer's owner (``dst(group)``; a group without it skips
+    the layer), unflatten. Else ``weight_fn`` of every parameter: the local phase, or with
+    ``collective`` (DeepSpeed's own collectives: ZeRO-3) the exchange phase."""
+    params = _params(info)
+    group = fragment_group(params) if collective else None
+    if group is not None:
+        to, shape = dst(group), (sum(p.numel() for p in params),)
+
+        def exchange(local: torch.Tensor | None) -> tuple[torch.Tensor, bool | torch.Tensor]:
+            flat, void = comm.sum_or_void(local, shape, group, local is None, defer=True, dst=to)
+            return flat, (void if comm.rank(group) == to else True)
+        return {"read": lambda: local_fragments(params), "exchange": exchange,
+                "finish": lambda flat: _rows(info, unflatten(flat, params)),
+                "dp_exchange": to is not None}
 
     def read() -> tuple[torch.Tensor, torch.Tensor]:
-        if info["layout"] == "separate":
-            wq = weight_fn(module.q_proj.weight)
-            wk = weight_fn(module.k_proj.weight)
-            wq_HKD = wq.reshape(heads, head_dim, -1)
-            wk_GKD = wk.reshape(groups, head_dim, -1)
-        else:
-            wq_HKD, wk_GKD = split_fused_qkv(weight_fn(info["qkv"].weight), heads, groups,
-                                             head_dim)
-        # Norm weights are read after the projections, in the same order on every rank.
-        wq_HKD = fold_norm(wq_HKD.contiguous(), q_norm, _gamma(q_norm, weight_fn))
-        wk_GKD = fold_norm(wk_GKD.contiguous(), k_norm, _gamma(k_norm, weight_fn))
-        return wq_HKD, wk_GKD
-
-    return read
-
-
-def _phases(read: Callable[[], tuple[torch.Tensor, torch.Tensor]], collective: bool
-            ) -> dict[str, Any]:
-    """``QKSource`` read fields: ``read`` as the local phase, or as the exchange phase."""
+        return _rows(info, [weight_fn(p) for p in params])
     if not collective:
         return {"read": read}
     return {"read": lambda: None, "exchange": lambda _: (read(), False), "dp_exchange": True}
@@ -227,22 +233,37 @@ def hf_qk_sources(
     sketch_group: comm.Group,
     weight_fn: Callable[[torch.nn.Parameter], torch.Tensor] = full_fp32_weight,
     collective: bool = True,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> list[QKSource]:
-    """One :class:`QKSource` per recognised attention module of ``model`` (all heads local).
+    """One :class:`QKSource` per recognised attention module of ``model`` (all heads local);
+    collective where ZeRO-1/2 fragments are read (one all-gather of the DP ranks per group).
 
     Args:
         model: the engine's module (``engine.module``), identical on every DP rank.
         sketch_group: ``comm.SELF`` (every rank holds all heads).
         weight_fn: full fp32 weight of a parameter; collective, same order on every rank.
         collective: whether ``weight_fn`` runs collectives (DeepSpeed's fp32 reads do under
-            ZeRO 1-3 and its mixed-precision optimizers): then the whole read is the source's
-            exchange phase (its failure cannot be voided and stops training, see
-            ``MechMon``); else its local phase (a failure voids the layer).
+            ZeRO 1-3 and its mixed-precision optimizers): ZeRO-1/2 fragments are then read in
+            phases (a failed local phase voids the layer on every rank); other parameters
+            (ZeRO-3) in the exchange phase (a failure there cannot be voided and stops
+            training, see ``MechMon``). Else the whole read is the local phase.
+        dp_rank, dp_size: this rank's replica in the QK monitor's DP split
+            (:func:`~mechmon_megatron.monitors.qk_source.owner_replica`): a layer's fragments
+            are summed on its owner only.
 
     Raises:
         UnsupportedAttentionError: see :func:`find_hf_attention`; also two modules with the
             same layer number.
     """
+    members: dict[int, list[int]] = {}
+
+    def owner_in(group: comm.Group, layer: int) -> int | None:
+        if id(group) not in members:  # the same groups in the same order on every rank
+            members[id(group)] = comm.all_gather_object(int(dp_rank), group)
+        owner = owner_replica(layer, dp_size)
+        return members[id(group)].index(owner) if owner in members[id(group)] else None
+
     sources: list[QKSource] = []
     for info in find_hf_attention(model):
         heads, groups = info["num_heads"], info["num_groups"]
@@ -254,7 +275,8 @@ def hf_qk_sources(
             group_index=torch.arange(heads) // (heads // groups),
             sketch_group=sketch_group,
             num_groups=groups,
-            **_phases(_reader(info, weight_fn), collective),
+            **_phases(info, weight_fn, collective,
+                      lambda group, layer=info["layer"]: owner_in(group, layer)),
         ))
     layers = [s.layer for s in sources]
     if len(set(layers)) != len(layers):

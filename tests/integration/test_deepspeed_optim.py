@@ -61,7 +61,7 @@ def _engine(stage: int, block: dict, persist: bool = False, odd: bool = False):
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
-    from mechmon_megatron.layouts.hf_attention import full_fp32_weight
+    from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight
 
     return {n: full_fp32_weight(p).clone() for n, p in engine.module.named_parameters()}
 

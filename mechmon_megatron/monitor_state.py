@@ -82,19 +82,22 @@ class StateMixin:
                                      group=self.group, alarm_dir=directory, save=False)
         return Verdict(alarm.alarm_step, False, alarm=alarm, exit_requested=exit_requested)
 
-    def state_dict(self, full: bool = False) -> dict[str, Any]:
+    def state_dict(self, full: bool = False, rebuild_at: int | None = None) -> dict[str, Any]:
         """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able).
 
         ``full``: monitors that split work over DP replicas (QK snapshots) gather every
         replica's part (collective on every rank), for frameworks that save one copy per
-        model-parallel rank; a rank then keeps only its own part on load. The local parts
+        model-parallel rank; a rank then keeps only its own part on load. ``rebuild_at`` (with
+        ``full``): the checkpoint's step, where the framework saves the weights the monitors
+        read: snapshots of that step are read again on load (:meth:`load_state_if_all`)
+        instead of stored. The local parts
         cannot fail past those gathers: a failure is caught, counted, and the state returned
         is ``{"version": 1, "void": reason}``, which a load refuses (every rank starts fresh).
         """
         monitors, failed = [], None
         for m in self.monitors:
             if full and hasattr(m, "full_state_dict"):
-                monitors.append(m.full_state_dict())  # collective; its local part is guarded
+                monitors.append(m.full_state_dict(rebuild_at))  # collective; guarded locally
                 continue
             try:
                 monitors.append(m.state_dict())
@@ -229,8 +232,10 @@ class StateMixin:
 
         Detectors must stay identical across ranks, so a rank whose state is missing,
         unreadable or fails to load (caught, counted, warned) makes every rank start on fresh
-        baselines: the ranks that loaded roll back to the state they had before. Returns
-        whether the state was loaded.
+        baselines: the ranks that loaded roll back to the state they had before. Snapshots
+        saved as ``rebuild`` are then read again from the loaded weights (collective reads;
+        the same layers on every rank: the full state is one copy). Returns whether the state
+        was loaded.
         """
         fresh = self.state_dict()
         ok = state is not None
@@ -240,7 +245,12 @@ class StateMixin:
             except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
                 self._error("state load", exc)
                 ok = False
-        return self._agree_loaded(ok, fresh)
+        if not self._agree_loaded(ok, fresh):
+            return False
+        for monitor, saved in zip(self.monitors, state["monitors"], strict=True):
+            if hasattr(monitor, "rebuild_snapshots"):  # collective reads, on every rank
+                monitor.rebuild_snapshots(saved.get("snapshots", {}))
+        return True
 
     def _agree_loaded(self, ok: bool, fresh: Mapping[str, Any]) -> bool:
         """One MAX all-reduce: True when every rank loaded; else roll back to ``fresh`` (the

@@ -316,7 +316,9 @@ class DeepSpeedMechMon:
         path = os.path.join(str(save_dir), str(tag if tag is not None else f"global_step{step}"))
         self.mon.note_checkpoint(step, path)
         state = dict(client_state or {})
-        state[CONFIG_KEY] = self.mon.state_dict(full=True)  # collective: every rank saves
+        # Collective: every rank saves. DeepSpeed saves the fp32 weights the QK read returns,
+        # so snapshots of this very step are read again on load rather than stored.
+        state[CONFIG_KEY] = self.mon.state_dict(full=True, rebuild_at=step)
         return self._originals["save_checkpoint"](save_dir, tag, state, *args, **kwargs)
 
     def _load_checkpoint(self, load_dir: str, tag: Any = None, *args: Any,

@@ -196,13 +196,20 @@ class QKUpdateMonitor(QKObserve):
                          for k, v in s.items()} for layer, s in self.snapshots.items()}
         return {"version": 2, "snapshots": snaps, "errors": self.errors}
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self, rebuild_at: int | None = None) -> dict[str, Any]:
         """:meth:`state_dict` with the snapshots of every DP replica of this rank's heads (one
         object all-gather over ``dp_group``; collective): for frameworks that save one copy per
         model-parallel rank (DeepSpeed's client_state). A rank whose own part fails to copy
-        (caught, counted) gathers nothing of its own: those layers are not saved."""
+        (caught, counted) gathers nothing of its own: those layers are not saved.
+
+        ``rebuild_at``: the checkpoint's step, where the framework saves the weights the read
+        returns: a snapshot of that step keeps its step, heads and older pair, is marked
+        ``rebuild`` and is read again after the load (:meth:`rebuild_snapshots`)."""
         try:
             snaps = self.state_dict()["snapshots"]
+            for snap in snaps.values():
+                if rebuild_at is not None and int(snap["step"]) == int(rebuild_at):
+                    snap.update(wq=None, wk=None, rebuild=True)
         except Exception as exc:  # noqa: BLE001 - the gather still runs on every rank
             self.errors += 1
             self._warn_once("error:save", f"saving the snapshots failed ({exc!r}); this rank's "

@@ -5,9 +5,10 @@ new processes. Every step's global batch is the same four sequences, split over 
 both runs see the same data. The QK work is split over the DP replicas (layer L on DP rank
 ``(L - 1) % DP``): layer 3's snapshot is kept by rank 0 at DP=2 and by rank 2 at DP=4. The
 checkpoint's ``client_state`` holds every replica's snapshots (gathered at the save), each
-resumed rank keeps the layers it owns now, and the signals after the resume equal the straight
-run's to fp32 rounding, with the same alarm step. A save whose copy of one replica's snapshots
-fails leaves only that replica's layers out.
+resumed rank keeps the layers it owns now (the snapshots of the checkpoint's own step are read
+again from the loaded weights instead of stored), and the signals after the resume equal the
+straight run's to fp32 rounding, with the same alarm step. A save whose copy of one replica's
+snapshots fails leaves only that replica's layers out.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import pathlib
 
 import pytest
+import torch
 
 from tests._dist import run_distributed
 from tests.integration.test_deepspeed import TRAIN, VOCAB, _deepspeed_ops  # noqa: F401
@@ -96,6 +98,12 @@ def test_a_dp2_run_resumed_at_dp4_gives_the_uninterrupted_runs_signals_and_alarm
     # Each rank keeps what it owns at DP=4: layer L on rank (L - 1) % 4, taken at step N.
     assert [r["layers"] for r in resumed_ranks] == [[1], [2], [3], []], resumed_ranks
     assert all(r["step"] == N and set(r["snapshot_steps"]) <= {N} for r in resumed_ranks)
+    # Step N is a monitored step: its snapshots are the saved fp32 weights, read again on load;
+    # only the older pair (qk.coherence) is stored.
+    saved = torch.load(tmp_path / "ckpt" / f"global_step{N}" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["mechmon"]["monitors"][0]["snapshots"]
+    assert sorted(saved) == [1, 2, 3] and all(
+        s["rebuild"] and s["wq"] is None and s["wq_prev"] is not None for s in saved.values())
 
     straight = _records(tmp_path / "straight" / "metrics.jsonl")
     resumed = _records(tmp_path / "resumed" / "metrics.jsonl")

@@ -66,12 +66,12 @@ class AttentionFaultConfig:
     def __post_init__(self) -> None:
         require(0 <= self.bits <= 7, "bits", self.bits, "an integer in 0..7")
         require(0.0 <= self.rate <= 1.0, "rate", self.rate, "a number in [0, 1]")
-        require(
-            bool(self.layers) and all(v >= 1 for v in self.layers),
-            "layers",
-            self.layers,
-            "a non-empty list of global 1-based layer numbers (>= 1)",
-        )
+        _require_layers(self.layers)
+
+
+def _require_layers(layers: list[int]) -> None:
+    require(bool(layers) and all(v >= 1 for v in layers), "layers", layers,
+            "a non-empty list of global 1-based layer numbers (>= 1)")
 
 
 @dataclass
@@ -133,12 +133,7 @@ class FP8AttentionFaultConfig:
         require(self.o_skew >= 0, "o_skew", self.o_skew, "a number >= 0")
         require(self.amax_history_len >= 1, "amax_history_len", self.amax_history_len,
                 "an integer >= 1")
-        require(
-            bool(self.layers) and all(v >= 1 for v in self.layers),
-            "layers",
-            self.layers,
-            "a non-empty list of global 1-based layer numbers (>= 1)",
-        )
+        _require_layers(self.layers)
 
 
 @dataclass

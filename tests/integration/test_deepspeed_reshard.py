@@ -13,14 +13,11 @@ snapshots fails leaves only that replica's layers out.
 
 from __future__ import annotations
 
-import json
-import math
-import pathlib
-
 import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests._resume import alarm_step, assert_same_signals, sink_records
 from tests.integration.test_deepspeed import TRAIN, VOCAB, _deepspeed_ops  # noqa: F401
 
 pytest.importorskip("deepspeed")
@@ -86,11 +83,6 @@ def _second(rank: int, world: int, tmp: str) -> dict:
     return _run(rank, world, f"{tmp}/resumed", 2 * N, None, f"{tmp}/ckpt")
 
 
-def _records(path: pathlib.Path) -> dict[int, dict]:
-    """The last sink record of each monitored step (a resumed run appends)."""
-    return {r["step"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
 @pytest.mark.timeout(900)
 def test_a_dp2_run_resumed_at_dp4_gives_the_uninterrupted_runs_signals_and_alarm(tmp_path):
     run_distributed(_first, 2, str(tmp_path), timeout=400)
@@ -105,27 +97,14 @@ def test_a_dp2_run_resumed_at_dp4_gives_the_uninterrupted_runs_signals_and_alarm
     assert sorted(saved) == [1, 2, 3] and all(
         s["rebuild"] and s["wq"] is None and s["wq_prev"] is not None for s in saved.values())
 
-    straight = _records(tmp_path / "straight" / "metrics.jsonl")
-    resumed = _records(tmp_path / "resumed" / "metrics.jsonl")
-    alarm = [s for s in sorted(straight) if straight[s].get("alarm")][:1]
-    assert alarm == [ALARM_STEP] == [s for s in sorted(resumed) if resumed[s].get("alarm")][:1]
-    after = [s for s in sorted(straight) if s > N]
-    assert after == [8, 10, 12] and [s for s in sorted(resumed) if s > N] == after
-    compared = 0
-    for step in after:
-        want, got = straight[step]["signals"], resumed[step]["signals"]
-        assert sorted(want) == sorted(got)
-        assert all(got[f"attn/delta2/entropy/layer_{layer}/min"] is not None
-                   for layer in (1, 2, 3)), got
-        for key, value in want.items():
-            if value is None or math.isnan(value):
-                assert got[key] is None or math.isnan(got[key]), (step, key)
-                continue
-            # Two ranks' gradients averaged against four: fp32 rounding, kept by a window's
-            # update relative to |dW| (measured up to 7e-7); another layer's rows are O(1).
-            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-9), (step, key)
-            compared += 1
-    assert compared > 1000
+    straight = sink_records(tmp_path / "straight" / "metrics.jsonl")
+    resumed = sink_records(tmp_path / "resumed" / "metrics.jsonl")
+    assert alarm_step(straight) == alarm_step(resumed) == ALARM_STEP
+    assert [s for s in sorted(straight) if s > N] == [8, 10, 12]
+    assert all(resumed[s]["signals"][f"attn/delta2/entropy/layer_{layer}/min"] is not None
+               for s in (8, 10, 12) for layer in (1, 2, 3))
+    # Two ranks' gradients averaged against four (measured up to 7e-7).
+    assert assert_same_signals(straight, resumed, N) > 1000
 
 
 @pytest.mark.timeout(900)
@@ -136,7 +115,7 @@ def test_a_save_failing_on_one_replica_drops_only_its_layer_and_the_resume_goes_
     run_distributed(_first, 2, str(tmp_path), True, timeout=400)
     resumed_ranks = run_distributed(_second, 4, str(tmp_path), timeout=400)
     assert [r["layers"] for r in resumed_ranks] == [[1], [], [3], []], resumed_ranks
-    records = _records(tmp_path / "resumed" / "metrics.jsonl")
+    records = sink_records(tmp_path / "resumed" / "metrics.jsonl")
     key = "attn/delta2/entropy/layer_{}/min"
     assert records[8]["signals"][key.format(2)] is None
     assert records[8]["signals"][key.format(1)] is not None

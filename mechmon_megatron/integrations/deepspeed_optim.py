@@ -42,6 +42,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, zero3_probe
 from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight
+from mechmon_megatron.layouts.deepspeed_moe import find_topk_gates
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
@@ -308,8 +309,11 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     # No model parallelism here (the integration refuses TP > 1): the forward is collective
     # only through expert-parallel all-to-alls.
     local = all(groups._get_expert_parallel_world_size(name) == 1 for name in experts)
+    # DeepSpeed's gates choose by argmax / top-k (with Gumbel noise and random token
+    # selection): held fixed within an estimate (probe_context.FrozenTopK).
+    gates = [gate for _, gate, _ in find_topk_gates(module)]
     probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
-                           adam_collective=True, local_model=local)
+                           adam_collective=True, local_model=local, routers=gates)
     return OptimSource(entries, probe=probe, **phases)
 
 

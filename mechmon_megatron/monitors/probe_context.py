@@ -14,9 +14,12 @@ up to x4.7 (median 2%, 90th percentile 23%), against 0.07% (3% at most) on the d
 with the routing held fixed by 0.4% (6%, 18% at most).
 
 :class:`FrozenTopK` removes the jumps: inside the forwards of the given router modules, the
-first use of :meth:`FrozenTopK.active` records every ``torch.topk`` (and ``Tensor.topk``) result
-(caught by a ``TorchFunctionMode``), and the later ones reuse the recorded indices with values
-gathered from their own inputs, so every evaluation differentiates the same smooth piece. The
+first use of :meth:`FrozenTopK.active` records every ``torch.topk`` and ``torch.argmax`` result
+(and the ``Tensor`` methods; caught by a ``TorchFunctionMode``), and the later ones reuse the
+recorded indices (top-k values gathered from their own inputs), so every evaluation
+differentiates the same smooth piece. ``argmax`` covers DeepSpeed's top-1 and top-2 gates,
+whose second choice and token dropping draw random numbers at every call (Gumbel noise, random
+token selection through a top-k over tokens): held, they are the recording's. The
 estimator records with a forward at ``W`` (one forward per estimate, against eight
 forward-backward passes of four products), so the central difference estimates the Hessian that
 double backward gives at ``W``, ``H u + O(h^2)`` (tests/unit/test_probe_routing.py: 0.2%
@@ -24,8 +27,8 @@ against 10% with free routing); sources that only give gradients (ZeRO-3) would 
 first evaluation, ``W + h u_1``. Calls are keyed by (router, call number within that router's
 forward), so activation recomputation, which re-runs a router's forward inside the backward,
 replays the same choices. A call whose input shape or ``k`` differ from the recording (or that
-has none) runs the real top-k and counts in :attr:`FrozenTopK.misses`. Top-k outside the
-routers' forwards is untouched; ``argmax`` gates (DeepSpeed's top-1 and top-2) are not held.
+has none) runs the real top-k and counts in :attr:`FrozenTopK.misses`. Choices outside the
+routers' forwards are untouched.
 """
 
 from __future__ import annotations
@@ -103,24 +106,29 @@ class FrozenTopK:
         table: dict[_Key, tuple[tuple, torch.Tensor]] = {} if record else self.recorded
         frames: list[list[int]] = []  # [router index, calls so far] of the open forwards
 
-        def topk(func: Any, args: tuple, kwargs: dict) -> Any:
+        def choose(func: Any, args: tuple, kwargs: dict) -> Any:
             if not frames:
                 return func(*args, **kwargs)
             key = (frames[-1][0], frames[-1][1])
             frames[-1][1] += 1
-            bound = dict(zip(_TOPK_ARGS, args, strict=False), **kwargs)
+            is_topk = func is torch.topk or func is torch.Tensor.topk
+            bound = dict(zip(_TOPK_ARGS if is_topk else _ARGMAX_ARGS, args, strict=False),
+                         **kwargs)
             x = bound["input"]
-            dim = int(bound.get("dim", -1))
-            shape = (tuple(x.shape), int(bound["k"]), dim, bool(bound.get("largest", True)))
+            dim = bound.get("dim", -1 if is_topk else None)
+            shape = ((tuple(x.shape), int(bound["k"]), int(dim), bool(bound.get("largest", True)))
+                     if is_topk else (tuple(x.shape), dim, bool(bound.get("keepdim", False))))
             if record:
                 out = func(*args, **kwargs)
-                table[key] = (shape, out.indices)
+                table[key] = (shape, out.indices if is_topk else out)
                 return out
             hit = table.get(key)
             if hit is None or hit[0] != shape:
                 self.misses += 1
                 return func(*args, **kwargs)
-            return torch.return_types.topk((x.gather(dim, hit[1]), hit[1]))
+            if not is_topk:
+                return hit[1]
+            return torch.return_types.topk((x.gather(int(dim), hit[1]), hit[1]))
 
         def opener(i: int) -> Any:
             def open_frame(module: torch.nn.Module, args: Any) -> None:
@@ -135,7 +143,7 @@ class FrozenTopK:
             handles.append(router.register_forward_pre_hook(opener(i)))
             handles.append(router.register_forward_hook(close_frame))
         try:
-            with _TopKMode(topk):
+            with _TopKMode(choose):
                 yield
         finally:
             for handle in handles:
@@ -146,11 +154,15 @@ class FrozenTopK:
 
 _TOPK_ARGS = ("input", "k", "dim", "largest", "sorted")
 """``torch.topk``'s positional parameters (``Tensor.topk``: the tensor first, then the same)."""
+_ARGMAX_ARGS = ("input", "dim", "keepdim")
+"""``torch.argmax``'s positional parameters (``Tensor.argmax`` alike)."""
+_CHOICES = (torch.topk, torch.Tensor.topk, torch.argmax, torch.Tensor.argmax)
 
 
 class _TopKMode(TorchFunctionMode):
-    """Routes ``torch.topk`` and ``Tensor.topk`` to a handler, whatever module object the caller
-    reached torch through (megatron's CPU patches give ``moe_utils`` a copy of the module)."""
+    """Routes ``torch.topk`` / ``torch.argmax`` (and their ``Tensor`` methods) to a handler,
+    whatever module object the caller reached torch through (megatron's CPU patches give
+    ``moe_utils`` a copy of the module)."""
 
     def __init__(self, handler: Any) -> None:
         super().__init__()
@@ -158,6 +170,6 @@ class _TopKMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        if func is torch.topk or func is torch.Tensor.topk:
+        if func in _CHOICES:
             return self.handler(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))

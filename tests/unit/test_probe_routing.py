@@ -108,3 +108,53 @@ def test_top_k_reached_through_a_copy_of_the_torch_module_is_held_too() -> None:
     with frozen.active():
         again = model.router(x + 1e-1 * torch.randn_like(x)).indices
     assert len(frozen.recorded) == 1 and torch.equal(again, first) and frozen.misses == 0
+
+
+class DeepSpeedMoE(torch.nn.Module):
+    """DeepSpeed's own ``TopKGate`` (argmax choices; top-2's second choice by Gumbel sampling,
+    top-1's token dropping by random token selection) in front of dense experts."""
+
+    def __init__(self, k: int, d: int = 6, e: int = 4) -> None:
+        from deepspeed.moe.sharded_moe import TopKGate
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = TopKGate(d, e, k=k, capacity_factor=1.0, eval_capacity_factor=0.5,
+                             min_capacity=1)
+        self.experts = torch.nn.Parameter(torch.randn(e, d, d) / d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        l_aux, combine, dispatch, _ = self.gate(x)
+        routed = torch.einsum("sec,sd->ecd", dispatch.float(), x)
+        out = torch.einsum("sec,ecd->sd", combine, torch.einsum("ecd,edf->ecf", routed,
+                                                                self.experts))
+        return (torch.tanh(out) ** 2).mean() + 0.01 * l_aux
+
+
+def test_deepspeed_argmax_gates_are_held_too() -> None:
+    """Top-1 (random token selection at capacity 0.5) and top-2 (Gumbel-sampled second expert):
+    every evaluation draws new random choices, so the free central difference is far from the
+    Hessian of any one piece; held, it matches double backward on the recorded piece."""
+    import pytest
+
+    pytest.importorskip("deepspeed")
+    x = torch.randn(128, 6, generator=torch.Generator().manual_seed(1))
+    for k in (1, 2):
+        model = DeepSpeedMoE(k).eval()
+        names = [n for n, _ in model.named_parameters()]
+        params = [p.detach() for p in model.parameters()]
+        u = [torch.randn_like(p) for p in params]
+        frozen = FrozenTopK([model.gate])
+        with frozen.active(), torch.no_grad():  # the estimator records the routing at W first
+            model(x)
+        points = [p.clone().requires_grad_(True) for p in params]
+        with frozen.active():
+            loss = torch.func.functional_call(model, dict(zip(names, points, strict=True)), (x,))
+            exact = torch.cat([t.reshape(-1) for t in double_backward_hvp(loss, points, u)])
+        errors = {}
+        for held in (False, True):
+            fd = central_difference_hvp(
+                _grad_at(model, x, params, names, frozen if held else None), u, 1e-2)
+            errors[held] = float((torch.cat([t.reshape(-1) for t in fd]) - exact).norm()
+                                 / exact.norm())
+        assert errors[True] < 2e-2 and errors[False] > 0.2 and frozen.misses == 0, (k, errors)

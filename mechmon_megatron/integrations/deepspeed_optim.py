@@ -2,15 +2,17 @@
 
 Parameters: every trainable parameter of ``engine.module``, grouped by its HF-style name
 (:func:`mechmon_megatron.layouts.param_groups.classify`). Weights are the fp32 values the
-optimizer updates, read with DeepSpeed's own calls
-(:func:`mechmon_megatron.layouts.deepspeed_fp32.full_fp32_weight`: ``safe_get_full_fp32_param``
-under ZeRO 1-3 and the bf16 optimizer, the parameter itself otherwise); every rank reads every
-parameter in ``named_parameters`` order, so the collectives match.
+optimizer updates, read without a collective: under ZeRO 1-3 and the bf16 optimizer each rank
+reads only its own fp32 elements (:func:`mechmon_megatron.layouts.deepspeed_fp32.local_fp32`:
+the ZeRO-1/2 fragment or the ZeRO-3 partition), so no weight travels and the window's snapshot
+is 1/DP of the model; otherwise (ZeRO-0 with a torch optimizer) the parameter itself.
 
-Ownership (every distinct element counted once over the world): after DeepSpeed's gradient
-averaging a dense parameter is identical on every data-parallel rank, owned by DP rank 0; a
-DeepSpeed MoE expert parameter (``allreduce = False``, ``group_name``) is identical on the ranks
-of its expert-data-parallel group, owned by that group's rank 0.
+Ownership (every distinct element counted once over the world): a rank owns the fp32 elements
+it reads under ZeRO 1-3 (the partitions of the DP, or for MoE experts the expert-DP, group);
+otherwise, after DeepSpeed's gradient averaging, a dense parameter is identical on every
+data-parallel rank, owned by DP rank 0, and a DeepSpeed MoE expert parameter (``allreduce =
+False``, ``group_name``) is identical on the ranks of its expert-data-parallel group, owned by
+that group's rank 0 (also the probe's rule: its vectors are whole parameters).
 
 Sharpness probe (ZeRO 0-3, not the pipeline engine): the module's inputs of the first
 grad-enabled forward of each step are kept by reference (:class:`BatchCache`; nothing is copied
@@ -28,7 +30,7 @@ lr/betas/eps and the step from the wrapped optimizer's group.
 ZeRO-3: the module's parameters are partitioned placeholders (``numel() == 0`` outside
 DeepSpeed's gather hooks), so the probe works on this rank's partitions and evaluates gradients
 through the module's own hooks (:mod:`mechmon_megatron.integrations.deepspeed_zero3`); update
-ratios read the full fp32 weights with ``safe_get_full_fp32_param`` as on the other stages.
+ratios read this rank's fp32 partitions.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, zero3_probe
-from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight
+from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight, local_fp32
 from mechmon_megatron.layouts.deepspeed_moe import find_topk_gates
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
@@ -254,14 +256,16 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     owned = [groups._get_data_parallel_rank() == 0 if d else
              groups._get_expert_data_parallel_rank(p.group_name) == 0
              for d, p in zip(dense, params, strict=True)]
-    entries = [OptimParam(n, group, layer, own) for (n, _), (group, layer), own
-               in zip(named, classify(named, {}), owned, strict=True)]
+    # ZeRO-1/2/3 and the bf16 optimizer: each rank reads its own fp32 elements and owns them.
+    partitioned = [hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params]
+    entries = [OptimParam(n, group, layer, own or mine) for (n, _), (group, layer), own, mine
+               in zip(named, classify(named, {}), owned, partitioned, strict=True)]
 
     def read() -> list[torch.Tensor]:
-        return [full_fp32_weight(p) for p in params]
+        return [local_fp32(p) if mine else full_fp32_weight(p)
+                for p, mine in zip(params, partitioned, strict=True)]
 
-    # DeepSpeed's fp32 reads are its own collectives: the whole read is the exchange phase.
-    phases = {"read": lambda: None, "exchange": lambda _: (read(), False)}
+    phases = {"read": read}  # local: no collective
 
     why = _probe_unavailable(engine, params) if sharpness else None
     if sharpness and why is None and any(hasattr(p, "ds_id") for p in params):

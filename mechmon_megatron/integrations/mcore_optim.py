@@ -6,6 +6,12 @@ is TP-sharded (``tensor_model_parallel``), on every TP rank; an expert parameter
 (``allreduce = False``) on every expert-DP rank and, unless sharded, every expert-TP rank. The
 owner is DP (expert-DP) index 0 and, for a replicated parameter, TP (expert-TP) index 0.
 
+Reads (no collective): the fp32 main params where the optimizer keeps them. Under the
+DistributedOptimizer each rank reads only its own fp32 shard (``main_param``, a flat slice; its
+DP replicas hold the other slices), every rank owns it (the TP rule above still applies), and
+the squared norms add up to the whole parameter's in the monitor's one SUM all-reduce: no
+weight travels and the window's snapshot is the shard (1/DP of the parameter).
+
 Gradient synchronisation for the probe (:func:`sync_gradients`) is the one training uses with a
 plain ``torch.optim`` (megatron's DDP wrapper does the same reductions on its buffers):
 
@@ -22,7 +28,6 @@ under a saved-and-restored RNG (torch, CUDA, megatron's tracker) and with every 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -36,8 +41,7 @@ from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
 from mechmon_megatron.monitors.probe_context import isolated
 
-__all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders", "buckets",
-           "EXCHANGE_BUCKET"]
+__all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders"]
 
 ProbeLoss = Callable[[Callable[..., Any]], "torch.Tensor | None"]
 
@@ -67,15 +71,25 @@ def sync_gradients(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.T
                  ps.get_expert_data_parallel_group(), 1.0 / dp, always=True)
 
 
-def _owned(param: torch.nn.Parameter) -> bool:
+def _owned(param: torch.nn.Parameter, dp_shard: bool = False) -> bool:
+    """See the module docstring; ``dp_shard``: the read is this rank's DP shard (its own)."""
     from megatron.core import parallel_state as ps
 
     sharded = getattr(param, "tensor_model_parallel", False)
     if getattr(param, "allreduce", True):
-        return ps.get_data_parallel_rank() == 0 and (
+        return (dp_shard or ps.get_data_parallel_rank() == 0) and (
             sharded or ps.get_tensor_model_parallel_rank() == 0)
-    return ps.get_expert_data_parallel_rank() == 0 and (
+    return (dp_shard or ps.get_expert_data_parallel_rank() == 0) and (
         sharded or ps.get_expert_tensor_parallel_rank() == 0)
+
+
+def _shard(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's fp32 shard of a DistributedOptimizer parameter, flat (empty when the rank
+    holds none of it)."""
+    main = getattr(param, "main_param", None)
+    if main is None:
+        return torch.zeros(0, dtype=torch.float32, device=param.device)
+    return main.detach().float().reshape(-1)
 
 
 def _main_params(optimizer: Any) -> tuple[Any, dict[int, torch.Tensor]]:
@@ -162,7 +176,7 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
     the DistributedOptimizer) is attached."""
     from megatron.core import parallel_state as ps
 
-    entries, tensors, names = [], [], []
+    entries, tensors, names, shards = [], [], [], []
     for chunk in model_chunks:
         # A duplicate kept in sync with a parameter of another stage (``shared``: the last
         # pipeline stage's copy of tied embeddings) is left out, as megatron's own grad norm
@@ -171,16 +185,19 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
                  if p.requires_grad and not getattr(p, "shared", False)]
         for (name, p), (group, layer) in zip(named, classify(named, layer_prefixes(chunk)),
                                              strict=True):
-            entries.append(OptimParam(name, group, layer, _owned(p)))
+            shard = fp32_sum_group(p, optimizer) is not None
+            entries.append(OptimParam(name, group, layer, _owned(p, dp_shard=shard)))
             tensors.append(p)
             names.append(name)
+            shards.append(shard)
 
     why = next((w for w in (low_precision_reason(p, optimizer) for p in tensors) if w), None)
     if why is not None:
         warnings.warn(f"mechmon optim: {why}", RuntimeWarning, stacklevel=2)
 
     def read() -> list[torch.Tensor]:
-        return [local_fp32(p, optimizer) for p in tensors]
+        return [_shard(p) if shard else local_fp32(p, optimizer)
+                for p, shard in zip(tensors, shards, strict=True)]
 
     probe = None
     single = len(model_chunks) == 1 and ps.get_pipeline_model_parallel_world_size() == 1
@@ -206,60 +223,6 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
         sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
                  ps.get_expert_model_parallel_world_size(),
                  ps.get_expert_tensor_parallel_world_size())
-        probe = CurvatureProbe(names, tensors, [e.owned for e in entries], loss, reduce, state,
-                               routers=_routers(model), local_model=set(sizes) == {1})
-    return OptimSource(entries, read, probe, exchange=_exchange(tensors, optimizer))
-
-
-EXCHANGE_BUCKET = 1 << 26
-"""Elements per SUM all-reduce of the fp32 exchange (256 MB in fp32): the extra memory of a
-monitored step is three buckets (flattened parts, flagged send buffer, result), not three copies
-of the model."""
-
-
-def _exchange(params: Sequence[torch.nn.Parameter], optimizer: Any, bucket: int = EXCHANGE_BUCKET
-              ) -> Callable[[list[torch.Tensor] | None],
-                            tuple[list[torch.Tensor], bool | torch.Tensor]]:
-    """The collective phase of the fp32 reads: per DP group of sharded main params, their parts
-    flattened into buckets of at most ``bucket`` elements (a larger parameter alone), one
-    ``comm.sum_or_void`` each, in the same order on every rank (the order and sizes follow from
-    the shapes only). The void flag stays a device tensor (read with the monitor's values)."""
-    groups = [fp32_sum_group(p, optimizer) for p in params]
-    order: list[Any] = []
-    for g in groups:
-        if g is not None and not any(g is o for o in order):
-            order.append(g)
-    shapes = [tuple(p.shape) for p in params]
-    plan = [(group, idx) for group in order
-            for idx in buckets([i for i, g in enumerate(groups) if g is group],
-                               [math.prod(s) for s in shapes], bucket)]
-
-    def exchange(parts: list[torch.Tensor] | None
-                 ) -> tuple[list[torch.Tensor], bool | torch.Tensor]:
-        void: bool | torch.Tensor = parts is None
-        out = list(parts) if parts is not None else [torch.zeros(s) for s in shapes]
-        for group, idx in plan:
-            flat = torch.cat([out[i].reshape(-1) for i in idx]) if parts is not None else None
-            total, void = comm.sum_or_void(flat, (sum(math.prod(shapes[i]) for i in idx),),
-                                           group, void, defer=True)
-            for i, piece in zip(idx, total.split([math.prod(shapes[i]) for i in idx]),
-                                strict=True):
-                out[i] = piece.view(shapes[i])
-        return out, void
-
-    return exchange
-
-
-def buckets(idx: list[int], sizes: list[int], limit: int) -> list[list[int]]:
-    """``idx`` in order, cut into runs whose ``sizes`` sum to at most ``limit`` (an index
-    larger than ``limit`` alone)."""
-    out: list[list[int]] = []
-    total = 0
-    for i in idx:
-        if out and total + sizes[i] <= limit:
-            out[-1].append(i)
-            total += sizes[i]
-        else:
-            out.append([i])
-            total = sizes[i]
-    return out
+        probe = CurvatureProbe(names, tensors, [_owned(p) for p in tensors], loss, reduce,
+                               state, routers=_routers(model), local_model=set(sizes) == {1})
+    return OptimSource(entries, read, probe)

@@ -22,7 +22,7 @@ import torch
 
 from mechmon_megatron import comm
 
-__all__ = ["fragment_group", "full_fp32_weight", "local_fragments", "unflatten"]
+__all__ = ["fragment_group", "full_fp32_weight", "local_fp32", "local_fragments", "unflatten"]
 
 
 def fragment_group(params: Sequence[torch.nn.Parameter]) -> comm.Group | None:
@@ -50,6 +50,20 @@ def local_fragments(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
                 mapping.get_hp_fragment().detach().reshape(-1))
         offset += p.numel()
     return flat
+
+
+def local_fp32(param: torch.nn.Parameter) -> torch.Tensor:
+    """This rank's own fp32 elements of ``param``, flat, without a collective: the ZeRO-3
+    partition (zero padding included) or the ZeRO-1/2 / bf16-optimizer fragment (empty when
+    this rank holds none). Over the ranks that partition the parameter, every element once."""
+    if hasattr(param, "ds_id"):
+        from deepspeed.utils import safe_get_local_fp32_param
+
+        return safe_get_local_fp32_param(param).detach().float().reshape(-1)
+    mapping = param._hp_mapping
+    if mapping is None:
+        return torch.zeros(0, dtype=torch.float32, device=param.device)
+    return mapping.get_hp_fragment().detach().float().reshape(-1)
 
 
 def unflatten(flat: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:

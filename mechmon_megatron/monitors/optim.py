@@ -79,12 +79,10 @@ class OptimSource:
 
     Attributes:
         params: one entry per local trainable parameter, in ``read()`` order.
-        read: the local phase (no collective, may fail): ``() -> list of fp32 tensors``, the
-            weights the optimizer updates (fp32 main params where kept), or with ``exchange``
-            this rank's parts of them.
-        exchange: the collective phase, ``parts | None -> (weights, void)`` (fixed shapes on
-            every rank; None parts: the local phase failed; ``void`` true everywhere when it
-            failed anywhere), as ``QKSource.exchange``. None: ``read`` is complete.
+        read: ``() -> list of fp32 tensors`` (no collective, may fail), aligned with
+            ``params``: the weights the optimizer updates (fp32 main params where kept), or
+            this rank's own elements of them (an optimizer's shard, flat): the squared norms
+            of the owned ones add up over the world in the one SUM all-reduce.
         probe: the curvature probe, or None (no sharpness).
         group: the ranks that share the model (world).
     """
@@ -93,8 +91,6 @@ class OptimSource:
     read: Callable[[], list[torch.Tensor]]
     probe: CurvatureProbe | None = None
     group: comm.Group = None
-    exchange: Callable[[list[torch.Tensor] | None],
-                       tuple[list[torch.Tensor], bool | torch.Tensor]] | None = None
 
     def keys(self) -> list[str]:
         """This rank's keys, sorted."""
@@ -132,7 +128,6 @@ class OptimMonitor:
                           if config.sharpness.enabled and source.probe is not None else None)
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = -1
-        self._snapshot_void: bool | torch.Tensor = False
         self.errors = 0
         self._observed = self._skipped = 0
         self._warned: set[str] = set()
@@ -160,10 +155,9 @@ class OptimMonitor:
         if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
             self.snapshot = None
             if self.due(step):
-                weights, void = self._weights()
-                if weights is not None:  # its void flag is read with end_step's values
+                weights = self._weights()
+                if weights is not None:
                     self.snapshot, self.snapshot_step = self._copy(weights), step - 1
-                    self._snapshot_void = void
 
     def end_step(self, step: int) -> dict[str, float]:
         """Update ratios and, every ``sharpness.interval`` steps, the sharpness."""
@@ -171,9 +165,9 @@ class OptimMonitor:
             return {}
         out: dict[str, float] = {}
         if self.config.update_ratio.enabled:
-            weights, void = self._weights()  # collective when the source has an exchange
+            weights = self._weights()
             try:
-                out.update(self._ratios(step, weights, void))
+                out.update(self._ratios(step, weights))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
                 out.update(self._void())
@@ -243,54 +237,40 @@ class OptimMonitor:
         return {f"optim/{stat}/{key}": None for key in set(self.keys)
                 for stat in ("update_sq", "weight_sq")}
 
-    def _weights(self) -> tuple[list[torch.Tensor] | None, bool | torch.Tensor]:
-        """Local phase (caught), then the exchange every rank joins: ``(weights, void)``,
-        weights None when void is known here; ``void`` may be the exchange's device flag."""
-        parts = None
+    def _weights(self) -> list[torch.Tensor] | None:
+        """The local read (caught): None when it failed here (this rank then emits its sums as
+        void, which voids them on every rank)."""
         try:
-            parts = self.source.read()
-        except Exception as exc:  # noqa: BLE001 - becomes the void flag of the exchange
+            return self.source.read()
+        except Exception as exc:  # noqa: BLE001 - emitted as void
             self._error("read", exc)
-        if self.source.exchange is None:
-            return parts, parts is None
-        weights, void = self.source.exchange(parts)
-        return (None, True) if not isinstance(void, torch.Tensor) and void else (weights, void)
+            return None
 
-    def _ratios(self, step: int, current: list[torch.Tensor] | None,
-                void: bool | torch.Tensor) -> dict[str, float | None]:
-        if current is None:  # void on some rank: this rank's parts would make wrong sums
+    def _ratios(self, step: int, current: list[torch.Tensor] | None
+                ) -> dict[str, float | None]:
+        if current is None:  # the read failed here: void (NaN on every rank), no snapshot
             self.snapshot = None
             return self._void()
-        before, before_void = self.snapshot, self._snapshot_void
-        self._snapshot_void = False
+        before = self.snapshot
         if self.config.update_ratio.window == "interval":
             self.snapshot, self.snapshot_step = self._copy(current), step
         else:
             self.snapshot = None
+        if before is None or [t.shape for t in before] != [t.shape for t in current]:
+            return self._void()  # the other holders' parts alone would be a partial sum
         index = {key: i for i, key in enumerate(self.holders)}
         device = current[0].device if current else torch.device("cpu")
         sums_K2 = torch.zeros(len(index), 2, dtype=torch.float64, device=device)
-        usable = before is not None and [t.shape for t in before] == [t.shape for t in current]
-        if usable:
-            rows, parts = [], []
-            for p, key, w0, w1 in zip(self.source.params, self.keys, before, current,
-                                      strict=True):
-                if p.owned:
-                    rows.append(index[key])
-                    w0 = w0.to(w1.device)
-                    parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
-                                              w0.double().pow(2).sum()]).to(device))
-            if parts:
-                sums_K2.index_add_(0, torch.tensor(rows, device=device), torch.stack(parts))
-        flags = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device).reshape(())
-                             for v in (void, before_void)])
-        # The one device-to-host transfer of the step: the sums and both reads' void flags.
-        *values, void_now, void_before = torch.cat([sums_K2.reshape(-1), flags]).tolist()
-        if void_now > 0:  # the read was void on some rank: no snapshot from it either
-            self.snapshot = None
-            return self._void()
-        if not usable or void_before > 0:
-            return self._void()  # the other holders' parts alone would be a partial sum
+        rows, parts = [], []
+        for p, key, w0, w1 in zip(self.source.params, self.keys, before, current, strict=True):
+            if p.owned:
+                rows.append(index[key])
+                w0 = w0.to(w1.device)
+                parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
+                                          w0.double().pow(2).sum()]).to(device))
+        if parts:
+            sums_K2.index_add_(0, torch.tensor(rows, device=device), torch.stack(parts))
+        values = sums_K2.reshape(-1).tolist()  # the one device-to-host transfer of the step
         mine = set(self.keys)
         out: dict[str, float] = {}
         finite = 0

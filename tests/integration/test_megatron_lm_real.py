@@ -101,6 +101,22 @@ def qk_reads(mon, fulls):
     return out
 
 
+def optim_read(mon, name, full, group):
+    """The optim family's read of one parameter: this rank's fp32 shard, whose squares summed
+    over the DP group are the full weight's."""
+    om = next(m for m in mon.monitors if m.family == "optim")
+    reads = dict(zip([p.name for p in om.source.params], om.source.read()))
+    owned = {p.name: p.owned for p in om.source.params}[name]
+    local = reads[name]
+    sq = torch.tensor([local.double().pow(2).sum().item(), float(local.numel())],
+                      dtype=torch.float64)
+    dist.all_reduce(sq, group=group)
+    want = full.double().pow(2).sum().item()
+    return {"numel": local.numel(), "total_numel": int(sq[1]), "param_numel": full.numel(),
+            "owned": owned,
+            "rel_sq": abs(sq[0].item() - want) / want}
+
+
 def check(model, optimizer, mon):
     rows, fulls = [], {}
     for chunk in model:
@@ -131,6 +147,7 @@ def check(model, optimizer, mon):
                 "frac_read_differs_from_model": float(
                     (read != param.data.float()).float().mean()),
                 "model_dtype": str(param.dtype),
+                "optim": optim_read(mon, name, full, owner.data_parallel_group),
             })
     path = os.path.join(os.environ["FP32_OUT"], f"rank{dist.get_rank()}.json")
     with open(path, "w") as fh:
@@ -324,6 +341,12 @@ def test_distributed_optimizer_fp32_weight_reads_the_optimizers_fp32_main_params
             assert row["max_abs_diff_vs_main"] == 0.0
             assert row["bf16_of_read_equals_model"]
             assert row["frac_read_differs_from_model"] > 0.5  # fp32, not the bf16 weight
+            # The optim family reads only this rank's fp32 shard (no weight exchange): the
+            # shards partition the weight, and their squares add up to the full weight's.
+            read = row["optim"]
+            assert read["owned"] and read["total_numel"] == read["param_numel"], read
+            assert read["numel"] < read["param_numel"] or row["shards"] == 1, read
+            assert read["rel_sq"] < 1e-12, read
     # The QK source reduces each layer's sharded fp32 weight to its owner (layer 1: rank 0,
     # layer 2: rank 1): exactly the optimizer's fp32 rows there, void on the other rank.
     owned = sorted((r["layer"], r["void"], r.get("max_abs_diff_rows")) for r in reads

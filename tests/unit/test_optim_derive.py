@@ -37,23 +37,9 @@ def test_group_totals_include_layerless_tensors_once():
     assert set(out) <= set(mon.signal_names())
 
 
-def test_the_fp32_exchange_cuts_parameters_into_buckets_in_order():
-    pytest.importorskip("megatron.core")
-    from mechmon_megatron.integrations.mcore_optim import buckets
-
-    sizes = [3, 3, 5, 1, 1, 9]
-    assert buckets([0, 1, 2, 3, 4, 5], sizes, 6) == [[0, 1], [2, 3], [4], [5]]
-    assert buckets([1, 3, 5], sizes, 100) == [[1, 3, 5]]
-    assert buckets([], sizes, 6) == []
-    # every index once, in order; no bucket over the limit unless it holds one index
-    cut = buckets(list(range(6)), sizes, 4)
-    assert [i for b in cut for i in b] == list(range(6))
-    assert all(len(b) == 1 or sum(sizes[i] for i in b) <= 4 for b in cut)
-
-
-def test_a_read_voided_by_the_exchange_flag_voids_that_steps_sums():
-    # A sharded read's exchange reports a failure elsewhere as a device flag, read with the
-    # sums in the step's one transfer: the begin read voided at step 4, the end read at 6.
+def test_a_failed_read_voids_that_steps_sums():
+    # A read that fails on this rank (its local phase) makes it emit the step's sums as void,
+    # which voids them on every rank: the begin read fails at step 4, the end read at 6.
     import torch
 
     from mechmon_megatron.monitors.optim import OptimParam
@@ -65,13 +51,14 @@ def test_a_read_voided_by_the_exchange_flag_voids_that_steps_sums():
     reads = {"n": 0}
     bad = {3, 6}  # the 3rd read (begin of step 4) and the 6th (end of step 6)
 
-    def exchange(parts):
+    def read():
         reads["n"] += 1
-        return parts, torch.tensor([reads["n"] in bad])
+        if reads["n"] in bad:
+            raise RuntimeError("injected")
+        return [w["value"].clone()]
 
     params = [OptimParam("w", "qkv", 1, True)]
-    mon = OptimMonitor(config, OptimSource(params, lambda: [w["value"].clone()],
-                                           exchange=exchange), {"qkv/layer_1": 1})
+    mon = OptimMonitor(config, OptimSource(params, read), {"qkv/layer_1": 1})
     seen = {}
     for step in (2, 4, 6):
         mon.begin_step(step)
@@ -81,3 +68,4 @@ def test_a_read_voided_by_the_exchange_flag_voids_that_steps_sums():
     assert seen[2]["optim/weight_sq/qkv/layer_1"] == pytest.approx(12)
     assert seen[4]["optim/update_sq/qkv/layer_1"] is None
     assert seen[6]["optim/update_sq/qkv/layer_1"] is None and mon.snapshot is None
+    assert mon.errors == 2

@@ -205,17 +205,23 @@ class OptimMonitor:
                 "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
 
     def state_dict(self) -> dict[str, Any]:
-        """The ``interval``-window snapshot and the sharpness warm start (CPU tensors)."""
+        """The ``interval``-window snapshot (CPU tensors, with the rank and world size that
+        read it) and the sharpness warm start."""
         keep = self.config.update_ratio.window == "interval" and self.snapshot is not None
         return {"version": 1, "errors": self.errors,
                 "snapshot": [t.cpu() for t in self.snapshot] if keep else None,
                 "snapshot_step": self.snapshot_step,
+                "reader": [comm.global_rank(), comm.world_size()],
                 "sharpness": self.estimator.state_dict() if self.estimator else None}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`. The window snapshot only where the same rank of the same
+        world read it: a read may be this rank's shard of the weights (DeepSpeed loads one
+        rank's state on every rank)."""
         self.errors = int(sd.get("errors", 0))
-        self.snapshot, self.snapshot_step = sd.get("snapshot"), int(sd.get("snapshot_step", -1))
+        same = list(sd.get("reader") or []) == [comm.global_rank(), comm.world_size()]
+        self.snapshot = sd.get("snapshot") if same else None
+        self.snapshot_step = int(sd.get("snapshot_step", -1)) if same else -1
         if self.estimator is not None and sd.get("sharpness") is not None:
             self.estimator.load_state_dict(sd["sharpness"])
 

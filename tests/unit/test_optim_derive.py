@@ -69,3 +69,26 @@ def test_a_failed_read_voids_that_steps_sums():
     assert seen[4]["optim/update_sq/qkv/layer_1"] is None
     assert seen[6]["optim/update_sq/qkv/layer_1"] is None and mon.snapshot is None
     assert mon.errors == 2
+
+
+def test_the_interval_window_snapshot_is_restored_only_on_the_rank_that_read_it():
+    # A read may be this rank's shard of the weights (DeepSpeed loads rank 0's state on every
+    # rank): another rank's snapshot would diff other elements, so it is dropped.
+    import torch
+
+    from mechmon_megatron.monitors.optim import OptimParam
+
+    config = OptimMonitorConfig()
+    config.sharpness.enabled = False
+    config.interval, config.warmup_steps = 2, 0
+    config.update_ratio.window = "interval"
+    source = OptimSource([OptimParam("w", "qkv", 1, True)], lambda: [torch.ones(3)])
+    mon = OptimMonitor(config, source, {"qkv/layer_1": 1})
+    mon.end_step(2)
+    state = mon.state_dict()
+    again = OptimMonitor(config, source, {"qkv/layer_1": 1})
+    again.load_state_dict(state)
+    assert again.snapshot_step == 2 and torch.equal(again.snapshot[0], torch.ones(3))
+    other = OptimMonitor(config, source, {"qkv/layer_1": 1})
+    other.load_state_dict(dict(state, reader=[1, 2]))
+    assert other.snapshot is None and other.snapshot_step == -1

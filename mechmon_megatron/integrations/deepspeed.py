@@ -48,7 +48,8 @@ no communication); routing statistics are
 reduced over :func:`mechmon_megatron.layouts.deepspeed_moe.router_group`. Tensor-parallel engines
 (an ``mpu`` with model-parallel size > 1, e.g. Megatron-DeepSpeed) are not supported by the
 HF-style QK layout and are rejected at attach time when the QK monitor is enabled; the optim
-family skips them with a warning. The optim family's reads and probe:
+family skips them with a warning. The config block and the monitors:
+:mod:`mechmon_megatron.integrations.deepspeed_monitors`; the optim family's reads and probe:
 :mod:`mechmon_megatron.integrations.deepspeed_optim` (ZeRO-3:
 :mod:`mechmon_megatron.integrations.deepspeed_zero3`).
 """
@@ -65,8 +66,15 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect.schedule import resolve_schedule
+from mechmon_megatron.integrations.deepspeed_monitors import (
+    CONFIG_KEY,
+    adam_beta2,
+    build_monitors,
+    engine_config,
+    warmup_steps,
+)
 from mechmon_megatron.integrations.deepspeed_optim import BatchCache
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import Sink, build_sinks
@@ -75,100 +83,6 @@ __all__ = ["CONFIG_KEY", "DeepSpeedActions", "DeepSpeedMechMon", "attach", "engi
            "build_monitors"]
 
 logger = logging.getLogger(__name__)
-
-CONFIG_KEY = "mechmon"
-"""Top-level key of the mechmon block in a DeepSpeed JSON config."""
-
-
-def engine_config(engine: Any,
-                  config: str | Path | Mapping[str, Any] | MechMonConfig | None = None
-                  ) -> MechMonConfig:
-    """The validated configuration: ``config`` if given, else the engine's ``"mechmon"`` block.
-
-    DeepSpeed keeps the parsed JSON as ``engine.config`` (the same dict as
-    ``engine._config._param_dict``) and ignores keys it does not know, so the block survives.
-    A missing block gives the defaults.
-
-    Raises:
-        ValueError: an unknown key or invalid value, naming ``mechmon.<dotted path>``.
-    """
-    if config is not None:
-        return load_config(config)
-    params = getattr(engine, "config", None)
-    if not isinstance(params, Mapping):
-        params = getattr(getattr(engine, "_config", None), "_param_dict", None) or {}
-    block = params.get(CONFIG_KEY)
-    if block is None:
-        logger.info("mechmon: no %r block in the DeepSpeed config; using the defaults", CONFIG_KEY)
-    return load_config(block)
-
-
-def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> list[Any]:
-    """The configured monitors over ``engine.module`` (collective: small metadata gathers).
-
-    ``batch``: the hooks' :class:`~mechmon_megatron.integrations.deepspeed_optim.BatchCache`
-    (the optim family's sharpness probe needs it; without it, update ratios only).
-
-    Raises:
-        ValueError: ``qk.enabled`` on a model without recognised attention modules, or on a
-            tensor-parallel engine.
-    """
-    monitors: list[Any] = []
-    if config.qk.enabled:
-        from deepspeed.utils import groups
-        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
-
-        from mechmon_megatron.layouts.hf_attention import hf_qk_sources
-        from mechmon_megatron.monitors.qk_update import QKUpdateMonitor
-
-        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
-            raise ValueError("mechmon.qk: tensor-parallel DeepSpeed engines are not supported by "
-                             "the HF-style QK layout; set qk.enabled: false")
-        collective = bool(engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled()
-                          or engine.fp16_enabled())
-        sources = hf_qk_sources(engine.module, comm.SELF, collective=collective,
-                                dp_rank=groups._get_data_parallel_rank(),
-                                dp_size=groups._get_data_parallel_world_size())
-        layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
-        if not layers:
-            raise ValueError("mechmon.qk.enabled is true but the model has no attention module "
-                             "with q_proj/k_proj or a fused query_key_value/linear_qkv; set "
-                             "qk.enabled: false")
-        monitors.append(QKUpdateMonitor(
-            config.qk, sources, all_layers=layers, seed=config.seed,
-            dp_rank=groups._get_data_parallel_rank(),
-            dp_size=groups._get_data_parallel_world_size(),
-            dp_group=groups._get_data_parallel_group()))
-    if config.router.enabled is not False:
-        from deepspeed.utils import groups
-
-        from mechmon_megatron.layouts.deepspeed_moe import topk_gate_sources
-        from mechmon_megatron.monitors.router import RouterMonitor
-
-        routers = topk_gate_sources(engine.module)
-        layers = comm.all_gather_union({r.layer: r.num_experts for r in routers})
-        if layers:
-            monitors.append(RouterMonitor(config.router, routers, all_layers=list(layers),
-                                          dp_rank=groups._get_data_parallel_rank(),
-                                          dp_size=groups._get_data_parallel_world_size()))
-        elif config.router.enabled is True:
-            warnings.warn("mechmon: router.enabled is true but the model has no DeepSpeed "
-                          "TopKGate; the router monitor does nothing", RuntimeWarning,
-                          stacklevel=2)
-    if config.optim.enabled:
-        from deepspeed.utils import groups
-        from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
-
-        from mechmon_megatron.integrations.deepspeed_optim import deepspeed_optim_source
-        from mechmon_megatron.monitors.optim import OptimMonitor, optim_holders
-
-        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
-            warnings.warn("mechmon: optim is not supported on tensor-parallel DeepSpeed engines; "
-                          "the optim monitor does nothing", RuntimeWarning, stacklevel=2)
-        else:
-            source = deepspeed_optim_source(engine, batch, config.optim.sharpness.enabled)
-            monitors.append(OptimMonitor(config.optim, source, optim_holders(source)))
-    return monitors
 
 
 class DeepSpeedActions:
@@ -337,18 +251,6 @@ class DeepSpeedMechMon:
         return result
 
 
-def _warmup_steps(engine: Any) -> int:
-    """Warm-up of DeepSpeed's ``WarmupLR``/``WarmupDecayLR``/``WarmupCosineLR``, else 0."""
-    return int(getattr(engine.lr_scheduler, "warmup_num_steps", 0) or 0)
-
-
-def _beta2(engine: Any) -> float | None:
-    """Adam's beta2 from the engine's optimizer param groups, None if it has none."""
-    groups = getattr(engine.optimizer, "param_groups", None) or [{}]
-    betas = groups[0].get("betas")
-    return float(betas[1]) if betas is not None and len(betas) > 1 else None
-
-
 def attach(
     engine: Any,
     config: str | Path | Mapping[str, Any] | MechMonConfig | None = None,
@@ -373,8 +275,8 @@ def attach(
         ValueError: an invalid ``"mechmon"`` block (the message names ``mechmon.<path>``), or a
             model the enabled monitors cannot read.
     """
-    cfg = resolve_schedule(engine_config(engine, config), _warmup_steps(engine),
-                           _beta2(engine))
+    cfg = resolve_schedule(engine_config(engine, config), warmup_steps(engine),
+                           adam_beta2(engine))
     hooks = DeepSpeedMechMon(engine, cfg, save_dir or os.path.join(cfg.output_dir, "checkpoints"))
     if not cfg.enabled:
         return hooks

@@ -48,7 +48,7 @@ def test_the_eos_bound_judges_only_after_the_delay_other_families_from_start_ste
 def test_integrations_read_the_warm_up_and_beta2_their_framework_keeps():
     from types import SimpleNamespace as NS
 
-    from mechmon_megatron.integrations import deepspeed as ds
+    from mechmon_megatron.integrations import deepspeed_monitors as ds
     from mechmon_megatron.integrations import megatron_lm as mlm
 
     # Megatron's scheduler counts samples: 40 iterations x global batch 16.
@@ -58,6 +58,6 @@ def test_integrations_read_the_warm_up_and_beta2_their_framework_keeps():
     assert mlm._adam_beta2(margs) == 0.95 and mlm._adam_beta2(NS(optimizer="sgd")) is None
     engine = NS(lr_scheduler=NS(warmup_num_steps=100),
                 optimizer=NS(param_groups=[{"betas": (0.9, 0.999)}]))
-    assert ds._warmup_steps(engine) == 100 and ds._beta2(engine) == 0.999
-    assert ds._warmup_steps(NS(lr_scheduler=None)) == 0
-    assert ds._beta2(NS(optimizer=NS(param_groups=[{"momentum": 0.9}]))) is None
+    assert ds.warmup_steps(engine) == 100 and ds.adam_beta2(engine) == 0.999
+    assert ds.warmup_steps(NS(lr_scheduler=None)) == 0
+    assert ds.adam_beta2(NS(optimizer=NS(param_groups=[{"momentum": 0.9}]))) is None

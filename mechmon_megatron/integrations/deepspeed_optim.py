@@ -312,7 +312,9 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
 
     # No model parallelism here (the integration refuses TP > 1): the forward is collective
     # only through expert-parallel all-to-alls.
-    local = all(groups._get_expert_parallel_world_size(name) == 1 for name in experts)
+    # Ulysses sequence parallelism adds all-to-alls inside attention.
+    local = all(groups._get_expert_parallel_world_size(name) == 1 for name in experts) and (
+        groups._get_sequence_parallel_world_size() == 1)
     # DeepSpeed's gates choose by argmax / top-k (with Gumbel noise and random token
     # selection): held fixed within an estimate (probe_context.FrozenTopK).
     gates = [gate for _, gate, _ in find_topk_gates(module)]

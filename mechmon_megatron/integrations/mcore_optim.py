@@ -72,14 +72,21 @@ def sync_gradients(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.T
 
 
 def _owned(param: torch.nn.Parameter, dp_shard: bool = False) -> bool:
-    """See the module docstring; ``dp_shard``: the read is this rank's DP shard (its own)."""
+    """See the module docstring; ``dp_shard``: the read is this rank's DP shard (its own; with
+    several distributed-optimizer instances, each holding the same shards, instance 0's)."""
     from megatron.core import parallel_state as ps
 
     sharded = getattr(param, "tensor_model_parallel", False)
+    if dp_shard:
+        inter = ps.get_inter_distributed_optimizer_instance_group(check_initialized=False)
+        first = inter is None or comm.rank(inter) == 0
+        tp0 = (ps.get_tensor_model_parallel_rank() if getattr(param, "allreduce", True)
+               else ps.get_expert_tensor_parallel_rank()) == 0
+        return first and (sharded or tp0)
     if getattr(param, "allreduce", True):
-        return (dp_shard or ps.get_data_parallel_rank() == 0) and (
+        return ps.get_data_parallel_rank() == 0 and (
             sharded or ps.get_tensor_model_parallel_rank() == 0)
-    return (dp_shard or ps.get_expert_data_parallel_rank() == 0) and (
+    return ps.get_expert_data_parallel_rank() == 0 and (
         sharded or ps.get_expert_tensor_parallel_rank() == 0)
 
 
@@ -219,10 +226,15 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
                 return None
             return adam_state(optimizer, tensors)
 
-        # The forward's own collectives: tensor, context, expert (and expert-tensor) parallel.
+        # The forward's own collectives: tensor, context, expert (and expert-tensor) parallel,
+        # and FP8 scaling's amax reductions.
+        from megatron.core.utils import get_model_config
+
         sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
                  ps.get_expert_model_parallel_world_size(),
                  ps.get_expert_tensor_parallel_world_size())
+        fp8 = getattr(get_model_config(model), "fp8", None)
         probe = CurvatureProbe(names, tensors, [_owned(p) for p in tensors], loss, reduce,
-                               state, routers=_routers(model), local_model=set(sizes) == {1})
+                               state, routers=_routers(model),
+                               local_model=set(sizes) == {1} and not fp8)
     return OptimSource(entries, read, probe)

@@ -54,12 +54,15 @@ def local_fragments(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
 
 def local_fp32(param: torch.nn.Parameter) -> torch.Tensor:
     """This rank's own fp32 elements of ``param``, flat, without a collective: the ZeRO-3
-    partition (zero padding included) or the ZeRO-1/2 / bf16-optimizer fragment (empty when
-    this rank holds none). Over the ranks that partition the parameter, every element once."""
+    partition without the last rank's padding (which holds whatever the flat buffer held) or
+    the ZeRO-1/2 / bf16-optimizer fragment (empty when this rank holds none). Over the ranks
+    that partition the parameter, every element once."""
     if hasattr(param, "ds_id"):
         from deepspeed.utils import safe_get_local_fp32_param
 
-        return safe_get_local_fp32_param(param).detach().float().reshape(-1)
+        part = safe_get_local_fp32_param(param).detach().float().reshape(-1)
+        start = comm.rank(param.ds_process_group) * part.numel()
+        return part[:min(max(int(param.ds_numel) - start, 0), part.numel())]
     mapping = param._hp_mapping
     if mapping is None:
         return torch.zeros(0, dtype=torch.float32, device=param.device)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -58,6 +59,15 @@ __all__ = [
 
 Vector = list[torch.Tensor]
 Dots = Callable[[Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]], torch.Tensor]
+Local = Callable[[Callable[[], Any], Callable[[], Any]], Any]
+"""``(fn, fallback) -> fn()``, or ``fallback()`` once a local step has failed (the caller's
+guard, e.g. ``monitors.probe_guard.LocalPhases.run``): the vector arithmetic between two
+collectives, so a rank whose step fails still makes every later collective with its peers'
+shapes. The fallbacks return vectors already held (no allocation): the values are void then."""
+
+
+def _unguarded(fn: Callable[[], Any], fallback: Callable[[], Any]) -> Any:
+    return fn()
 """``[(u, v), ...] -> tensor([u . v, ...])``: global inner products (float64, on the vectors'
 device, identical on every rank), one reduction per call and no host read."""
 
@@ -73,6 +83,7 @@ def central_difference_hvp(
     grad_at: Callable[[Vector, float], Vector],
     u: Sequence[torch.Tensor],
     h: float | torch.Tensor,
+    local: Local = _unguarded,
 ) -> Vector:
     """``H u ~ (g(W + h u) - g(W - h u)) / (2 h)``.
 
@@ -82,10 +93,12 @@ def central_difference_hvp(
         u: direction.
         h: step along ``u`` (absolute; the caller scales it to the weights; a 0-d tensor
             keeps it on the device).
+        local: guard of the final difference (:data:`Local`).
     """
     plus = grad_at(list(u), h)
     minus = grad_at(list(u), -h)
-    return [(a - b) / (2.0 * h) for a, b in zip(plus, minus, strict=True)]
+    return local(lambda: [(a - b) / (2.0 * h) for a, b in zip(plus, minus, strict=True)],
+                 lambda: plus)
 
 
 def double_backward_hvp(
@@ -113,12 +126,15 @@ def _combine(basis: Sequence[Vector], coef: torch.Tensor) -> Vector:
             for i in range(len(basis[0]))]
 
 
-def _orthogonalise(x: Vector, basis: Sequence[Vector], dots: Dots) -> Vector:
+def _orthogonalise(x: Vector, basis: Sequence[Vector], dots: Dots,
+                   local: Local = _unguarded) -> Vector:
     """``x`` minus its projection on the orthonormal ``basis``: classical Gram-Schmidt applied
     twice ("twice is enough"), each pass one batched call of ``dots``."""
     for _ in range(2):
         coef = dots([(b, x) for b in basis])
-        x = [t - c for t, c in zip(x, _combine(basis, coef), strict=True)]
+        x = local(lambda x=x, coef=coef: [t - c for t, c in zip(x, _combine(basis, coef),
+                                                              strict=True)],
+                  lambda x=x: x)
     return x
 
 
@@ -168,6 +184,7 @@ def power_iteration(
     dots: Dots,
     iters: int,
     tol: float = 0.0,
+    local: Local = _unguarded,
 ) -> PowerResult:
     """Top eigenpair of a symmetric operator, power iteration with Rayleigh-Ritz (Lanczos).
 
@@ -192,10 +209,14 @@ def power_iteration(
         dots: batched global inner products (:data:`Dots`).
         iters: maximum products (basis size), >= 1.
         tol: stop once the top Ritz value changes by less than ``tol`` relative (0: never).
+        local: guard of the vector arithmetic between the collectives (:data:`Local`; the
+            ``k x k`` Ritz step is not guarded: with ``tol > 0`` its value decides, on every
+            rank alike, whether the iteration goes on).
     """
     if iters < 1:
         raise ValueError(f"iters must be >= 1, got {iters}")
-    basis: list[Vector] = [[t / _norm(dots, v0).to(t.dtype) for t in v0]]
+    n0 = _norm(dots, v0)
+    basis: list[Vector] = [local(lambda: [t / n0.to(t.dtype) for t in v0], lambda: list(v0))]
     images: list[Vector] = []
     gram: torch.Tensor | None = None
     alive: list[torch.Tensor] = []
@@ -218,14 +239,17 @@ def power_iteration(
                 break
         if len(images) == iters:
             break
-        nxt = _orthogonalise(list(mv), basis, dots)
+        nxt = _orthogonalise(list(mv), basis, dots, local)
         norm = _norm(dots, nxt)
         alive.append(norm > 1e-12 * new[-1].clamp_min(0.0).sqrt())
         scale = torch.where(alive[-1], 1.0 / norm, 0.0)
-        basis.append([t * scale.to(t.dtype) for t in nxt])
+        basis.append(local(lambda nxt=nxt, scale=scale: [t * scale.to(t.dtype) for t in nxt],
+                           lambda nxt=nxt: nxt))
     k = len(images)
     value, coef = top_eigenpair(gram[:k, :k], torch.stack(alive))
-    vec = _combine(basis[:k], coef)
-    res = [a - value.to(b.dtype) * b for a, b in zip(_combine(images, coef), vec, strict=True)]
+    vec = local(lambda: _combine(basis[:k], coef), lambda: basis[0])
+    res = local(lambda: [a - value.to(b.dtype) * b
+                         for a, b in zip(_combine(images, coef), vec, strict=True)],
+                lambda: vec)
     residual = _norm(dots, res) / value.abs().clamp_min(1e-300)
     return PowerResult(value, vec, k, residual)

@@ -244,13 +244,16 @@ class QKUpdateMonitor(QKObserve):
                 continue
             rows = source.rows(lambda where, exc, s=source: self._error(s, where, exc))
             snap = self.snapshots.get(source.layer)
-            if rows is None or snap is None:
+            try:  # local: a failure must not skip the later layers' exchanges
+                if rows is None or snap is None:
+                    raise LookupError("no rows or no restored snapshot")
+                _, _, snap["wq"], snap["wk"] = self._snapshot_of(*rows)
+            except Exception as exc:  # noqa: BLE001 - re-snapshotted, warned
                 self.snapshots.pop(source.layer, None)
                 self._warn_once(f"rebuild:{source.layer}", f"layer {source.layer}: its snapshot "
-                                "could not be read again after the load; it is re-snapshotted at "
-                                "the next monitored step (one window without QK signals)")
-                continue
-            _, _, snap["wq"], snap["wk"] = self._snapshot_of(*rows)
+                                f"could not be read again after the load ({exc!r}); it is "
+                                "re-snapshotted at the next monitored step (one window without "
+                                "QK signals)")
 
     def sharded_template(self, meta: Mapping[int, Mapping[str, Any]]) -> dict[str, RowShard]:
         """Empty row shards of the saved snapshots this rank owns under its current layout."""
@@ -327,7 +330,8 @@ class QKUpdateMonitor(QKObserve):
         prev = self.snapshots.get(source.layer)
         snap = {"step": step, "heads": self._heads[source.layer], "wq": snap_q, "wk": snap_k}
         older = None
-        if prev is None or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape:
+        if (prev is None or prev.get("wq") is None  # a rebuild that never ran: no snapshot
+                or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape):
             self.snapshots[source.layer] = snap
             return None, None
         if ("coherence", "cos") in self.extra:

@@ -22,9 +22,10 @@ the finished estimate (every intermediate stays on the device; ``tol > 0`` adds 
 
 Failures (:mod:`~mechmon_megatron.monitors.probe_guard`): preparing the inputs and the device
 memory an estimate needs are checked before the readiness vote (a rank short of either votes
-"not ready": every rank skips); the estimator's local work, and the model's evaluation where the
-probe says it runs no collective (``local_model``), are local phases whose failure makes the
-estimate NaN on every rank at its last reduction. A failure inside the model's own collectives
+"not ready": every rank skips); the estimator's local work (preconditioning, the power
+iteration's and the finite difference's vector arithmetic, partial inner products), and the
+model's evaluation where the probe says it runs no collective (``local_model``), are local
+phases whose failure makes the estimate NaN on every rank at its last reduction. A failure inside the model's own collectives
 escapes (the orchestrator stops training rather than mispair them).
 """
 
@@ -144,7 +145,8 @@ class SharpnessEstimator:
             return phase(lambda: precondition(scale, hu), zeros)
 
         result: PowerResult = power_iteration(matvec, start, self._dots,
-                                              int(self.config.iters), float(self.config.tol))
+                                              int(self.config.iters), float(self.config.tol),
+                                              local=phase)
         shares, failed = self._shares(result.vector)
         value, residual, *shares_, void = torch.cat(
             [torch.stack([result.value, result.residual]).to(shares.device), shares,
@@ -236,8 +238,10 @@ class SharpnessEstimator:
     def _grad_at(self, params: list[torch.Tensor], u: list[torch.Tensor], s: torch.Tensor,
                  ) -> list[torch.Tensor]:
         if self.probe.gradient is not None:  # collective (ZeRO-3 gathers), run on every rank
+            points = self._phases.run(
+                lambda: [p + s * d for p, d in zip(params, u, strict=True)], lambda: params)
             with self._frozen.active():
-                return self.probe.gradient([p + s * d for p, d in zip(params, u, strict=True)])
+                return self.probe.gradient(points)
 
         def local() -> list[torch.Tensor]:
             points = [(p + s * d).requires_grad_(True) for p, d in zip(params, u, strict=True)]
@@ -262,7 +266,8 @@ class SharpnessEstimator:
                 self._model(local, lambda: [torch.zeros_like(p) for p in params]))
         u_norm = self._dots([(u, u)])[0].clamp_min(0.0).sqrt()
         h = float(self.config.fd_scale) * weight_norm / u_norm.clamp_min(1e-30)
-        return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h)
+        return central_difference_hvp(lambda d, s: self._grad_at(params, d, s), u, h,
+                                      self._phases.run)
 
 
 def precondition(scale: Sequence[torch.Tensor], v: Sequence[torch.Tensor]) -> list[torch.Tensor]:

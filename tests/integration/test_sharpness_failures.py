@@ -2,13 +2,14 @@
 
 Two real gloo ranks train the reference trainer's dense megatron-core GPT at TP=1 x DP=2 (the
 probe's model evaluation is then a local phase: ``CurvatureProbe.local_model``) with the
-estimate every 2 steps. On rank 1 only: the probe's loss raises at step 4 (a failure inside the
-estimate: every rank still makes the same reductions, the failure vote voids the values), and
-the device reports too little free memory at step 6 (the readiness vote: every rank skips the
-estimate and rank 1 warns once, naming the bytes). Against the same run without injections:
-the same table on both ranks at every step, exactly the sharpness values void at steps 4 and 6,
-finite at 2 and 8 (the same as without injections at 2; warm-started from step 2's vector at
-8), coverage counts the step-4 error, and every loss is bitwise the same.
+estimate every 2 steps. On rank 1 only: the probe's loss raises at step 4 and the power
+iteration's Gram-Schmidt arithmetic at step 8 (failures inside the estimate: every rank still
+makes the same reductions, the failure vote voids the values), and the device reports too
+little free memory at step 6 (the readiness vote: every rank skips the estimate and rank 1 warns
+once, naming the bytes). Against the same run without injections:
+the same table on both ranks at every step, exactly the sharpness values void at steps 4, 6 and 8,
+finite at 2 and 10 (the same as without injections at 2; warm-started from step 2's vector at
+10), coverage counts the step-4 and step-8 errors, and every loss is bitwise the same.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests._dist import run_distributed
 
 pytest.importorskip("megatron.core")
 
-STEPS = 8
+STEPS = 10
 
 
 def _config(out_dir: str) -> dict:
@@ -47,6 +48,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     import warnings
 
     from mechmon_megatron import monitor as mm
+    from mechmon_megatron.math import curvature
     from mechmon_megatron.monitors import probe_guard
     from mechmon_megatron.train import trainer
 
@@ -86,6 +88,14 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
             return 2 ** 30, 2 ** 30
         return device_memory(device)
 
+    combine = curvature._combine
+
+    def failing_combine(basis, coef):
+        if inject and rank == 1 and now["step"] == 8:
+            raise RuntimeError("injected in the power iteration")
+        return combine(basis, coef)
+
+    curvature._combine = failing_combine
     mm.MechMon.begin_step, mm.MechMon.end_step = begin_step, end_step
     mm.MechMon.attach = attach_monitors
     probe_guard.device_memory = memory
@@ -121,19 +131,19 @@ def test_a_failed_or_unaffordable_estimate_is_void_on_every_rank_and_training_is
         assert all(_same(tables[0][k], tables[1][k]) for k in tables[0]), step
         ref, got = _sharp(clean[0]["records"][step][0]), _sharp(tables[0])
         assert len(ref) > 3 and all(math.isfinite(v) for v in ref.values()), (step, ref)
-        if step in (4, 6):
+        if step in (4, 6, 8):
             assert all(math.isnan(v) for v in got.values()), (step, got)
         elif step == 2:
             assert got == ref
-        else:  # warm-started from step 2's vector (no later estimate finished), not step 6's
+        else:  # warm-started from step 2's vector (no later estimate finished), not step 8's
             assert got.keys() == ref.keys() and all(math.isfinite(v) for v in got.values())
         # Everything but the estimate is what the clean run saw.
         rest = {k: v for k, v in tables[0].items() if not k.startswith("optim/sharpness/")}
         assert all(_same(v, clean[0]["records"][step][0][k]) for k, v in rest.items()), step
-    errors = [[r["records"][s][1]["errors"] for s in (2, 4, 6, 8)] for r in hit]
-    assert errors == [[0, 1, 1, 1]] * 2, errors  # coverage is agreed over the ranks
-    assert [r["records"][s][2] for r in hit for s in (2, 4, 6, 8)] == \
-        [r["records"][s][2] for r in clean for s in (2, 4, 6, 8)]
+    errors = [[r["records"][s][1]["errors"] for s in (2, 4, 6, 8, 10)] for r in hit]
+    assert errors == [[0, 1, 1, 2, 2]] * 2, errors  # coverage is agreed over the ranks
+    assert [r["records"][s][2] for r in hit for s in range(2, STEPS + 1, 2)] == \
+        [r["records"][s][2] for r in clean for s in range(2, STEPS + 1, 2)]
     short = [w for w in hit[1]["warnings"] if "estimate skipped" in w]
     assert len(short) == 1 and "GiB" in short[0] and "optim.sharpness.iters" in short[0], short
     assert not any("estimate skipped" in w for w in hit[0]["warnings"] + clean[1]["warnings"])

@@ -89,6 +89,20 @@ def _key_ratio(signals: dict[str, float], key: str) -> float:
     return math.sqrt(signals[f"optim/update_sq/{key}"] / signals[f"optim/weight_sq/{key}"])
 
 
+def _steps(engine, rank: int, after_step=None) -> list[float]:
+    """STEPS training steps on the shared batches; the losses (``after_step(step)`` after each)."""
+    losses = []
+    for _ in range(STEPS):
+        step = engine.global_steps + 1
+        loss = engine(TRAIN.batch(step, rank, MICRO, SEQ, VOCAB, seed=0))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(step)
+    return losses
+
+
 def _run(rank: int, tmp: str, stage: int, optim: bool, persist: bool = False,
          odd: bool = False) -> dict:
     from mechmon_megatron.deepspeed import attach
@@ -102,18 +116,16 @@ def _run(rank: int, tmp: str, stage: int, optim: bool, persist: bool = False,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mm = attach(engine)
-    losses, recomputed = [], {}
-    before = _weights(engine)
-    for _ in range(STEPS):
-        step = engine.global_steps + 1
-        loss = engine(TRAIN.batch(step, rank, MICRO, SEQ, VOCAB, seed=0))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    recomputed, held = {}, {"before": _weights(engine)}
+
+    def recompute(step: int) -> None:
         after = _weights(engine)
         if step % EVERY == 0:
-            recomputed[step] = _ratios(before, after)
-        before = after
+            recomputed[step] = _ratios(held["before"], after)
+        held["before"] = after
+
+    losses = _steps(engine, rank, recompute)
+    before = held["before"]
     mm.close()
     # numpy: torch tensors would travel through shared memory that dies with the rank.
     return {"losses": losses, "recomputed": recomputed,
@@ -206,13 +218,7 @@ def _moe_worker(rank: int, world_size: int, tmp: str) -> dict:
                            "sharpness": {"interval": EVERY, "iters": 4, "tol": 0.0}}}
         engine = moe_engine(0, block, experts=4)
         mm = attach(engine)
-        losses = []
-        for _ in range(STEPS):
-            step = engine.global_steps + 1
-            loss = engine(TRAIN.batch(step, rank, MICRO, SEQ, VOCAB, seed=0))
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _steps(engine, rank)
         estimator = next(m.estimator for m in mm.mon.monitors if m.family == "optim") \
             if optim else None
         out[optim] = {"losses": losses,

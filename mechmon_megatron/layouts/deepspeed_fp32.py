@@ -1,14 +1,15 @@
 """The fp32 weights a DeepSpeed optimizer updates: whole (:func:`full_fp32_weight`, DeepSpeed's
-own collectives) or, for ZeRO-1/2 and the bf16 optimizer, in the phases of a QK source.
+own collectives) or, under ZeRO 1-3 and the bf16 optimizer, in the phases of a QK source.
 
-Each rank's optimizer holds an fp32 fragment of a parameter, ``param._hp_mapping`` (None where
-this rank holds none of it), over the parameter's DP group ``param._dp_group``. DeepSpeed's own
-``param.get_full_hp_param()`` copies the fragment into a zero buffer at
-``lp_fragment_address`` and SUM all-reduces it; a rank that fails between the two leaves its
-peers in the all-reduce. Here the same read is split (``comm`` rule 5):
+Each rank's optimizer holds its own fp32 elements of a parameter: ZeRO-1/2 a fragment,
+``param._hp_mapping`` (None where this rank holds none of it) over ``param._dp_group``; ZeRO-3
+a partition of ``ceil(numel / n)`` elements (the last padded) over ``param.ds_process_group``.
+DeepSpeed's own reads copy them into a zero buffer and SUM all-reduce it (ZeRO-1/2) or gather
+the partitions (ZeRO-3); a rank that fails between its local part and the collective leaves its
+peers inside it. Here the same read is split (``comm`` rule 5):
 
 - :func:`local_fragments` (local, may fail): one flat fp32 buffer ``[sum numel]`` holding this
-  rank's fragments of every parameter of a layer, zeros elsewhere;
+  rank's elements of every parameter of a layer, zeros elsewhere;
 - one ``comm.sum_or_void`` of that buffer (every parameter of the layer in one call, fixed
   shape, a failed local phase travelling as the void flag), to the layer's owner only;
 - :func:`unflatten` into the parameters' fp32 values (local).
@@ -22,33 +23,51 @@ import torch
 
 from mechmon_megatron import comm
 
-__all__ = ["fragment_group", "full_fp32_weight", "local_fp32", "local_fragments", "unflatten"]
+__all__ = ["fragment_group", "full_fp32_weight", "local_fp32", "local_fragments", "numel",
+           "unflatten"]
+
+
+def numel(param: torch.nn.Parameter) -> int:
+    """Elements of the whole parameter (a ZeRO-3 parameter's own tensor is a placeholder)."""
+    return int(getattr(param, "ds_numel", None) or param.numel())
 
 
 def fragment_group(params: Sequence[torch.nn.Parameter]) -> comm.Group | None:
-    """The DP group over which the fp32 fragments of ``params`` are summed, or None when they
-    are not all ZeRO-1/2 fragments of one group (ZeRO-3 partitions, no fp32 master, mixed
-    groups: read whole with DeepSpeed's own collectives)."""
-    if not params or any(hasattr(p, "ds_id") or not hasattr(p, "_hp_mapping")
-                         or not hasattr(p, "_dp_group") for p in params):
+    """The DP group over which this rank's fp32 elements of ``params`` add up to the whole
+    parameters (ZeRO-1/2 and the bf16 optimizer: ``_dp_group``; ZeRO-3: the partition group
+    ``ds_process_group``), or None when ``params`` do not all have one and the same group
+    (no fp32 master, mixed groups: read whole with DeepSpeed's own collectives)."""
+    def group(p: torch.nn.Parameter) -> comm.Group | None:
+        if hasattr(p, "ds_id"):
+            return getattr(p, "ds_process_group", None)
+        return p._dp_group if hasattr(p, "_hp_mapping") and hasattr(p, "_dp_group") else None
+
+    groups = [group(p) for p in params]
+    if not groups or groups[0] is None or any(g is not groups[0] for g in groups):
         return None
-    group = params[0]._dp_group
-    return group if all(p._dp_group is group for p in params) else None
+    return groups[0]
 
 
 def local_fragments(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """``[sum numel]`` fp32: this rank's fp32 fragment of each parameter at its offset in the
-    parameter (``lp_fragment_address``), parameters in order, zeros elsewhere (no collective)."""
-    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32,
+    """``[sum numel]`` fp32: this rank's own fp32 elements of each parameter at their offset in
+    the parameter (:func:`local_fp32`: the ZeRO-1/2 fragment at ``lp_fragment_address``, the
+    ZeRO-3 partition at ``rank * partition size``), parameters in order, zeros elsewhere (no
+    collective)."""
+    flat = torch.zeros(sum(numel(p) for p in params), dtype=torch.float32,
                        device=params[0].device)
     offset = 0
     for p in params:
-        mapping = p._hp_mapping
-        if mapping is not None:
-            address = mapping.lp_fragment_address
-            flat.narrow(0, offset + address.start, address.numel).copy_(
-                mapping.get_hp_fragment().detach().reshape(-1))
-        offset += p.numel()
+        if hasattr(p, "ds_id"):
+            from deepspeed.utils import safe_get_local_fp32_param
+
+            size = safe_get_local_fp32_param(p).numel()
+            start = comm.rank(p.ds_process_group) * size
+        else:
+            mapping = p._hp_mapping
+            start = 0 if mapping is None else mapping.lp_fragment_address.start
+        mine = local_fp32(p)
+        flat.narrow(0, offset + start, mine.numel()).copy_(mine)
+        offset += numel(p)
     return flat
 
 
@@ -73,8 +92,9 @@ def unflatten(flat: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[
     """The summed buffer of :func:`local_fragments` as one fp32 tensor per parameter."""
     out, offset = [], 0
     for p in params:
-        out.append(flat[offset:offset + p.numel()].view(p.shape))
-        offset += p.numel()
+        shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+        out.append(flat[offset:offset + numel(p)].view(shape))
+        offset += numel(p)
     return out
 
 

@@ -17,9 +17,9 @@ A per-head qk-norm (``q_norm`` / ``k_norm`` with a ``[K]`` weight, Qwen3 style) 
 ``diag(gamma) rows`` (RMSNorm; a LayerNorm also centres the rows); the data-dependent 1/rms is
 ignored. Biases and RoPE are ignored (the weight form is monitored).
 
-Weights are the fp32 values the optimizer updates: ZeRO-1/2 and the bf16 optimizer hold
-fragments, read in phases and summed on the layer's owner only; the rest with DeepSpeed's own
-collectives (ZeRO-3 gathers its fp32 partitions), otherwise the parameter itself
+Weights are the fp32 values the optimizer updates: under ZeRO 1-3 and the bf16 optimizer each
+rank holds its own fp32 elements (fragments, partitions), read in phases and summed on the
+layer's owner only; otherwise the parameter itself
 (:mod:`~mechmon_megatron.layouts.deepspeed_fp32`). Every branch
 depends only on the parameter's attributes, identical on every DP rank, so every rank issues the
 same collectives in the same order as long as it reads the same sources in the same order.
@@ -42,6 +42,7 @@ from mechmon_megatron.layouts.deepspeed_fp32 import (
     fragment_group,
     full_fp32_weight,
     local_fragments,
+    numel,
     unflatten,
 )
 from mechmon_megatron.layouts.norms import fold_norm
@@ -205,14 +206,14 @@ def _rows(info: dict[str, Any], weights: list[torch.Tensor]
 
 def _phases(info: dict[str, Any], weight_fn: Callable[[torch.nn.Parameter], torch.Tensor],
             collective: bool, dst: Callable[[comm.Group], int | None]) -> dict[str, Any]:
-    """``QKSource`` read fields. ZeRO-1/2 fragments (:mod:`.deepspeed_fp32`): local
-    fragments, one SUM reduce to the layer's owner (``dst(group)``; a group without it skips
-    the layer), unflatten. Else ``weight_fn`` of every parameter: the local phase, or with
-    ``collective`` (DeepSpeed's own collectives: ZeRO-3) the exchange phase."""
+    """``QKSource`` read fields. ZeRO 1-3 (:mod:`.deepspeed_fp32`): this rank's fp32 elements,
+    one SUM reduce to the layer's owner (``dst(group)``; a group without it skips the layer),
+    unflatten. Else ``weight_fn`` of every parameter: the local phase, or with ``collective``
+    (DeepSpeed's own collectives) the exchange phase."""
     params = _params(info)
     group = fragment_group(params) if collective else None
     if group is not None:
-        to, shape = dst(group), (sum(p.numel() for p in params),)
+        to, shape = dst(group), (sum(numel(p) for p in params),)
 
         def exchange(local: torch.Tensor | None) -> tuple[torch.Tensor, bool | torch.Tensor]:
             flat, void = comm.sum_or_void(local, shape, group, local is None, defer=True, dst=to)
@@ -237,16 +238,17 @@ def hf_qk_sources(
     dp_size: int = 1,
 ) -> list[QKSource]:
     """One :class:`QKSource` per recognised attention module of ``model`` (all heads local);
-    collective where ZeRO-1/2 fragments are read (one all-gather of the DP ranks per group).
+    collective where fp32 fragments or partitions are read (one all-gather of the DP ranks per
+    group).
 
     Args:
         model: the engine's module (``engine.module``), identical on every DP rank.
         sketch_group: ``comm.SELF`` (every rank holds all heads).
         weight_fn: full fp32 weight of a parameter; collective, same order on every rank.
         collective: whether ``weight_fn`` runs collectives (DeepSpeed's fp32 reads do under
-            ZeRO 1-3 and its mixed-precision optimizers): ZeRO-1/2 fragments are then read in
-            phases (a failed local phase voids the layer on every rank); other parameters
-            (ZeRO-3) in the exchange phase (a failure there cannot be voided and stops
+            ZeRO 1-3 and its mixed-precision optimizers): each rank's fp32 elements are then
+            read in phases (a failed local phase voids the layer on every rank); parameters
+            without them in the exchange phase (a failure there cannot be voided and stops
             training, see ``MechMon``). Else the whole read is the local phase.
         dp_rank, dp_size: this rank's replica in the QK monitor's DP split
             (:func:`~mechmon_megatron.monitors.qk_source.owner_replica`): a layer's fragments

@@ -25,8 +25,9 @@ memory an estimate needs are checked before the readiness vote (a rank short of 
 "not ready": every rank skips); the estimator's local work (preconditioning, the power
 iteration's and the finite difference's vector arithmetic, partial inner products), and the
 model's evaluation where the probe says it runs no collective (``local_model``), are local
-phases whose failure makes the estimate NaN on every rank at its last reduction. A failure inside the model's own collectives
-escapes (the orchestrator stops training rather than mispair them).
+phases whose failure makes the estimate NaN on every rank at its last reduction. A failure
+inside the model's own collectives escapes (the orchestrator stops training rather than mispair
+them).
 """
 
 from __future__ import annotations

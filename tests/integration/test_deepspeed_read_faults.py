@@ -1,12 +1,13 @@
-"""DeepSpeed ZeRO-2 QK reads in phases: a failed fragment read on one rank voids its layer.
+"""DeepSpeed ZeRO-2/3 QK reads in phases: a failed local read on one rank voids its layer.
 
-Two real gloo ranks train the DeepSpeed example's model (2 layers) under ZeRO-2 with the QK
-monitor on every step. Layer 1 is computed by rank 0, layer 2 by rank 1; each layer's fp32
-fragments are summed on its owner only. At step 3 rank 1's local read of layer 1's fragments
-raises (rank 1 does not own layer 1: its failure must reach the owner through the reduce).
-Against the same run without the injection: nothing hangs, every rank has the same table, layer
-1's signals are void at step 3 (step 4 diffs against step 2's snapshot), layer 2's are
-unchanged, coverage counts the error and every loss is bitwise the same.
+Two real gloo ranks train the DeepSpeed example's model (2 layers) under ZeRO-2 and ZeRO-3 with
+the QK monitor on every step. Layer 1 is computed by rank 0, layer 2 by rank 1; each layer's
+fp32 fragments (ZeRO-2) or partitions (ZeRO-3) are summed on its owner only. At step 3 rank 1's
+local read of layer 1's elements raises (rank 1 does not own layer 1: its failure must reach
+the owner through the reduce). Against the same run without the injection: nothing hangs, every
+rank has the same table, layer 1's signals are void at step 3 (step 4 diffs against step 2's
+snapshot), layer 2's are unchanged, coverage counts the error and every loss is bitwise the
+same.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ pytest.importorskip("deepspeed")
 STEPS, FAIL = 6, 3
 
 
-def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
+def _worker(rank: int, world_size: int, out_dir: str, inject: bool, stage: int) -> dict:
     import warnings
 
     from mechmon_megatron import monitor as mm
@@ -38,7 +39,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     from mechmon_megatron.layouts import hf_attention
 
     warnings.simplefilter("ignore")
-    engine = _engine(2, {"output_dir": out_dir, "strict": False,
+    engine = _engine(stage, {"output_dir": out_dir, "strict": False,
                          "qk": {"interval": 1, "warmup_steps": 0},
                          "actions": {"on_alarm": "log"},
                          "sinks": {"console": {"enabled": False}}})
@@ -71,10 +72,10 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     return {"records": records, "losses": losses, "owned": owned}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[bool, list[dict]]:
+@pytest.fixture(scope="module", params=[2, 3], ids=["zero2", "zero3"])
+def runs(tmp_path_factory, request) -> dict[bool, list[dict]]:
     return {inject: run_distributed(_worker, 2, str(tmp_path_factory.mktemp(f"r{inject}")),
-                                    inject, timeout=300)
+                                    inject, request.param, timeout=300)
             for inject in (False, True)}
 
 

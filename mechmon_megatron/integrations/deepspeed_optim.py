@@ -311,8 +311,7 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
         return grads
 
     # No model parallelism here (the integration refuses TP > 1): the forward is collective
-    # only through expert-parallel all-to-alls.
-    # Ulysses sequence parallelism adds all-to-alls inside attention.
+    # only through expert-parallel all-to-alls and Ulysses sequence parallelism's.
     local = all(groups._get_expert_parallel_world_size(name) == 1 for name in experts) and (
         groups._get_sequence_parallel_world_size() == 1)
     # DeepSpeed's gates choose by argmax / top-k (with Gumbel noise and random token

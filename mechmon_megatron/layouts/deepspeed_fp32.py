@@ -50,22 +50,12 @@ def fragment_group(params: Sequence[torch.nn.Parameter]) -> comm.Group | None:
 
 def local_fragments(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     """``[sum numel]`` fp32: this rank's own fp32 elements of each parameter at their offset in
-    the parameter (:func:`local_fp32`: the ZeRO-1/2 fragment at ``lp_fragment_address``, the
-    ZeRO-3 partition at ``rank * partition size``), parameters in order, zeros elsewhere (no
-    collective)."""
+    the parameter (:func:`local_fp32`), parameters in order, zeros elsewhere (no collective)."""
     flat = torch.zeros(sum(numel(p) for p in params), dtype=torch.float32,
                        device=params[0].device)
     offset = 0
     for p in params:
-        if hasattr(p, "ds_id"):
-            from deepspeed.utils import safe_get_local_fp32_param
-
-            size = safe_get_local_fp32_param(p).numel()
-            start = comm.rank(p.ds_process_group) * size
-        else:
-            mapping = p._hp_mapping
-            start = 0 if mapping is None else mapping.lp_fragment_address.start
-        mine = local_fp32(p)
+        start, mine = _own(p)
         flat.narrow(0, offset + start, mine.numel()).copy_(mine)
         offset += numel(p)
     return flat
@@ -76,16 +66,23 @@ def local_fp32(param: torch.nn.Parameter) -> torch.Tensor:
     partition without the last rank's padding (which holds whatever the flat buffer held) or
     the ZeRO-1/2 / bf16-optimizer fragment (empty when this rank holds none). Over the ranks
     that partition the parameter, every element once."""
+    return _own(param)[1]
+
+
+def _own(param: torch.nn.Parameter) -> tuple[int, torch.Tensor]:
+    """``(offset in the flattened parameter, this rank's fp32 elements)``: the ZeRO-3
+    partition at ``rank * partition size``, the ZeRO-1/2 fragment at ``lp_fragment_address``."""
     if hasattr(param, "ds_id"):
         from deepspeed.utils import safe_get_local_fp32_param
 
         part = safe_get_local_fp32_param(param).detach().float().reshape(-1)
         start = comm.rank(param.ds_process_group) * part.numel()
-        return part[:min(max(int(param.ds_numel) - start, 0), part.numel())]
+        return start, part[:min(max(int(param.ds_numel) - start, 0), part.numel())]
     mapping = param._hp_mapping
     if mapping is None:
-        return torch.zeros(0, dtype=torch.float32, device=param.device)
-    return mapping.get_hp_fragment().detach().float().reshape(-1)
+        return 0, torch.zeros(0, dtype=torch.float32, device=param.device)
+    return (int(mapping.lp_fragment_address.start),
+            mapping.get_hp_fragment().detach().float().reshape(-1))
 
 
 def unflatten(flat: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:

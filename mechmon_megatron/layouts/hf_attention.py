@@ -144,17 +144,13 @@ def _describe(name: str, module: Any, layout: str, qkv: Any, order: int) -> dict
     for norm_name in ("q_norm", "k_norm"):
         norm = getattr(module, norm_name, None)
         gamma = getattr(norm, "weight", None)
-        if norm is not None and (gamma is None or _numel(gamma) != head_dim):
+        if norm is not None and (gamma is None or numel(gamma) != head_dim):
             raise UnsupportedAttentionError(
                 f"{name} ({kind}): {norm_name} is not a per-head norm with a [{head_dim}] weight;"
                 " only per-head qk-norms are folded")
     return {"name": name, "module": module, "layout": layout, "qkv": qkv, "num_heads": heads,
             "num_groups": groups, "head_dim": head_dim,
             "layer": layer_number_of(name, module, order)}
-
-
-def _numel(param: torch.Tensor) -> int:
-    return int(getattr(param, "ds_numel", None) or param.numel())
 
 
 def split_fused_qkv(weight: torch.Tensor, num_heads: int, num_groups: int,

@@ -283,7 +283,7 @@ def qk_read_phases(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int
             weight, void = comm.sum_or_void(weight, shape, dp_group, void, defer=True,
                                             dst=dp_dst)
         if not user:  # the whole TP group of this replica: no rank here uses the rows
-            return torch.zeros(shape), True
+            return weight, True
         if layout["gathered"]:
             weight, void = comm.gather_or_void(weight, shape, tp_group, void, defer=True)
         return (weight if weight is not None else torch.zeros(shape)), void

@@ -40,19 +40,31 @@ group and layer, the sharpness ratio, loss and grad norm; router signals with ``
 its own independent noise series at once, through one :class:`DetectorBank` at the default
 monitor interval (100 steps); the budget (``false_alarms_per_10k_steps``, 0.01) sets the
 thresholds from the number of watched signals, so the rate per 10k *training steps* should stay
-near it whatever L. The sharpness ratio is 0.4 + 0.02 e_t (a healthy ratio; its bound is 1).
+near it whatever L. Each noise sample is put on its signal's support (``_on_support``): positive
+signals carry 10% noise in log space, cosines stay in [-1, 1], the sharpness ratio is
+0.4 + 0.02 e_t (a healthy ratio; its bound is 2). An earlier version added unit noise at level
+5 to every signal: on t(3)'s tail a positive entropy then crossed zero, its peer log-ratio hit
+the floor, and the student3 column read 0.32 (6) and 0.96 (16) at 24 and 80 layers, an artefact
+of the noise model, not of the rule.
 
-Measured (``--layers 2,24,80 --samples 2000``: 200k training steps per cell, 2 min 45 s), false
-alarms per 10k training steps (count), CUSUM standardised by the pooled long-run variance and
-robust z judging AR(1) residuals with the warm-up scale corrected for the credited correlation
-(detect/budget.py). Before the CUSUM correction the ar1_0.5 column read 0.051 (1), 0.051 (1)
-and 2.26 (31); before the residuals robust z fired on ar1_0.8 at 80 layers:
+Measured (``--layers 2,24,80 --samples 2000 [--moe] [--single]``: 200k training steps per cell,
+about 20 s per table dense, 40 s with ``--moe``), false alarms per 10k training steps (count),
+CUSUM standardised by the pooled long-run variance and robust z judging AR(1) residuals with the
+warm-up scale corrected for the credited correlation (detect/budget.py):
 
-| layers | watched | gaussian   | ar1_0.5    | ar1_0.8    | student3   |
-| -----: | ------: | ---------: | ---------: | ---------: | ---------: |
-| 2      | 19      | 0.000 (0)  | 0.000 (0)  | 0.103 (2)  | 0.000 (0)  |
-| 24     | 129     | 0.000 (0)  | 0.000 (0)  | 0.000 (0)  | 0.000 (0)  |
-| 80     | 409     | 0.000 (0)  | 0.000 (0)  | 0.000 (0)  | 0.000 (0)  |
+| layers | watched | gaussian  | ar1_0.5   | ar1_0.8   | student3  | student3, ``--single`` |
+| -----: | ------: | --------: | --------: | --------: | --------: | ---------------------: |
+| 2      | 19      | 0.000 (0) | 0.103 (2) | 0.051 (1) | 0.000 (0) | 1.27 (20)              |
+| 24     | 129     | 0.000 (0) | 0.000 (0) | 0.000 (0) | 0.000 (0) | 3.33 (40)              |
+| 80     | 409     | 0.000 (0) | 0.000 (0) | 0.051 (1) | 0.000 (0) | 10.2 (67)              |
+| 2 MoE  | 25      | 0.000 (0) | 0.000 (0) | 0.051 (1) | 0.000 (0) | 0.96 (16)              |
+| 24 MoE | 201     | 0.000 (0) | 0.000 (0) | 0.000 (0) | 0.051 (1) | 9.14 (64)              |
+| 80 MoE | 649     | 0.000 (0) | 0.000 (0) | 0.000 (0) | 0.051 (1) | 17.1 (77)              |
+
+``--single`` turns on ``robust_z.single`` in the mechanism families (its other columns equal
+the default's): one sample beyond a threshold that the Laplace null puts at ~12 scales. t(3)
+noise crosses that 100-1,700x more often than the budget allows, which is why the single-sample
+rule is off by default though it alarms one interval sooner on a jump.
 
 At 2 layers a kind has two 20-sample windows to estimate its correlation from, so only about
 0.5 of phi = 0.8 is credited (the estimate minus one standard error, +-0.29 there): the residual
@@ -78,6 +90,7 @@ from mechmon_megatron.detect import DetectorBank
 __all__ = ["NOISES", "SIGNALS", "false_alarms"]
 
 COMPARISONS = ("loss_spike", "loss_z", "grad_norm_z")
+MECHANISMS = ("attn", "router", "optim", "fp8")
 
 SIGNALS = {
     "attn (down)": "attn/delta2/entropy/layer_1/min",
@@ -172,6 +185,20 @@ def monitor_names(layers: int, moe: bool = False) -> list[str]:
     return names
 
 
+def _on_support(name: str, e: float) -> float:
+    """A unit noise sample ``e`` as a value of signal ``name``, on the signal's support: the
+    sharpness ratio 0.4 + 0.02 e; cosines 0.3 + 0.05 e in [-1, 1]; loss and grad norm 5 + e;
+    every other (positive) signal 5 exp(0.1 e), 10% noise in log space (peer signals are judged
+    as log-ratios, and additive noise at level 5 would cross zero on t(3)'s tail)."""
+    if name == "optim/sharpness/eos_ratio":
+        return 0.4 + 0.02 * e
+    if "cos" in name:
+        return min(1.0, max(-1.0, 0.3 + 0.05 * e))
+    if name.startswith("global/"):
+        return 5.0 + e
+    return 5.0 * math.exp(0.1 * e)
+
+
 def whole_monitor(config: MechMonConfig, layers: int, noise: str, samples: int,
                   interval: int = 100, moe: bool = False, seed: int = 0) -> tuple[int, int, int]:
     """Alarms of the whole default monitor on independent noise in every signal.
@@ -189,8 +216,7 @@ def whole_monitor(config: MechMonConfig, layers: int, noise: str, samples: int,
     for sample in range(samples):
         since_reset += 1
         observed += since_reset > warmup
-        table = {n: next(x) for n, x in series.items()}
-        table["optim/sharpness/eos_ratio"] = 0.4 + 0.02 * (table["optim/sharpness/eos_ratio"] - 5)
+        table = {n: _on_support(n, next(x) - 5.0) for n, x in series.items()}
         if any(f.alarm for f in bank.update((sample + 1) * interval, table)):
             alarms += 1
             bank.reset()
@@ -205,8 +231,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--layers", default="", help="whole monitor at these depths, e.g. 2,24,80")
     parser.add_argument("--moe", action="store_true", help="whole monitor: add router signals")
+    parser.add_argument("--single", action="store_true",
+                        help="robust_z.single on in the mechanism families (attn, router, optim, "
+                             "fp8)")
     args = parser.parse_args()
-    config = load_config({"detectors": {"baselines": {k: {"enabled": False} for k in COMPARISONS}}})
+    detectors: dict = {"baselines": {k: {"enabled": False} for k in COMPARISONS}}
+    if args.single:
+        detectors.update({f: {"robust_z": {"single": True}} for f in MECHANISMS})
+    config = load_config({"detectors": detectors})
     if args.layers:
         print(f"whole monitor, {args.samples} samples at interval 100; false alarms per 10k "
               "training steps (count), watched signals")

@@ -48,10 +48,20 @@ class RobustZConfig:
     """Exceedances needed ..."""
     n: int = 4
     """... among the last n monitored samples."""
+    single: bool = False
+    """Also alarm on one sample alone beyond ``single_threshold`` (one interval sooner on a
+    jump, e.g. an LR step). Off by default: its budget threshold trusts exponential tails out
+    to ~12 scales, and on t(3) noise the whole monitor then far exceeds its budget
+    (benchmarks/false_alarm_rate.py)."""
+    single_threshold: float | None = None
+    """z that one sample must exceed; null: from the budget, which the single-sample and the
+    k-of-n parts of this rule then share half and half (detect/budget.py)."""
 
     def __post_init__(self) -> None:
         require(self.threshold is None or self.threshold > 0, "threshold", self.threshold,
                 "null or a number > 0")
+        require(self.single_threshold is None or self.single_threshold > 0, "single_threshold",
+                self.single_threshold, "null or a number > 0")
         require(self.n >= 1, "n", self.n, "an integer >= 1")
         require(1 <= self.k <= self.n, "k", self.k, f"an integer in 1..n (n = {self.n})")
 

@@ -154,12 +154,17 @@ class DetectorBank:
         p = per_sample_probability(self.config.false_alarms_per_10k_steps, signals,
                                    int(self.intervals.get(family, DEFAULT_INTERVAL)))
         rz, cs = fam.robust_z, fam.cusum
+        share = p / 2.0 if rz.single else p
         if rz.threshold is None:
-            rz = dataclasses.replace(rz, threshold=robust_z_threshold(p, rz.k, rz.n))
+            rz = dataclasses.replace(rz, threshold=robust_z_threshold(share, rz.k, rz.n))
+        if rz.single_threshold is None:
+            rz = dataclasses.replace(rz, single_threshold=robust_z_threshold(share, 1, 1))
         if cs.threshold is None:
             cs = dataclasses.replace(cs, threshold=cusum_threshold(p, cs.drift))
         self.thresholds[family] = {"robust_z": rz.threshold, "cusum": cs.threshold,
                                    "per_sample_probability": p}
+        if rz.single:
+            self.thresholds[family]["robust_z_single"] = rz.single_threshold
         return dataclasses.replace(fam, robust_z=rz, cusum=cs)
 
     def _family_channel(self, name: str, family: str, fam: FamilyDetectorConfig) -> None:

@@ -18,6 +18,12 @@ for independent samples ``P = C(n-1, k-1) q^k`` with ``q = P(z > threshold)``, h
 
     q = (p / C(n-1, k-1))^(1/k),        threshold = -ln(2 q) / 1.0277
 
+Single sample (``robust_z.single``, off by default). The k-of-n rule may also fire on one
+sample beyond ``robust_z_threshold(p / 2, 1, 1)`` (the k-of-n part then gets ``p / 2`` too, so
+the rule still spends ``p``): one interval sooner on a jump, but the threshold (~12 scales)
+extrapolates the Laplace tail ~3x further than the k-of-n threshold does (~4), and on t(3) noise
+the whole monitor then fires 100-1,700x its budget (``benchmarks/false_alarm_rate.py --single``).
+
 CUSUM ``S = max(0, S + s - drift) > h`` on oriented z: Siegmund's approximation of the in-control
 average run length for unit-variance increments, ``ARL0 = (exp(2 d h') - 2 d h' - 1) / (2 d^2)``
 with ``d = drift`` and ``h' = h + 1.166``, is solved for ``h`` at ``ARL0 = 1 / p`` (bisection),

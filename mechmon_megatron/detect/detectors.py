@@ -8,7 +8,7 @@ is z oriented toward the fault by the rule's ``direction``
 
 | detector     | rule                                                         | score        |
 | ------------ | ------------------------------------------------------------ | ------------ |
-| robust_z     | s(u) > threshold on k of the last n samples                   | s(u)         |
+| robust_z     | s(u) > threshold on k of the last n samples, or s(u) > single  | s(u)         |
 | cusum        | S = max(0, S + clip(s / sqrt(f), +-h/2) - drift) > h           | S            |
 | bounds       | x < min or x > max on k of the last n samples                | distance out |
 | loss_spike   | Megatron: |x| >= factor * max |x| of the first num_samples     | |x| / max    |
@@ -23,8 +23,9 @@ sqrt(1 - rho^2)``, whose samples are independent under the healthy null, so the 
 probability of detect/budget.py holds for autocorrelated signals too; ``u = z`` exactly when no
 correlation is credited, and for the first sample after a reset or an unobserved sample.
 
-Onset step: robust_z, the first exceeding sample of the k; cusum, the sample
-at which S last left zero (the change-point estimate); the others, the finding's own step.
+Onset step: robust_z, the first exceeding sample of the k (the sample itself when it fires
+alone); cusum, the sample at which S last left zero (the change-point estimate); the others,
+the finding's own step.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ __all__ = [
 
 
 class RobustZ(Detector):
-    """Oriented prewhitened z beyond ``threshold`` on ``k`` of the last ``n`` samples (after
-    warm-up)."""
+    """Oriented prewhitened z beyond ``threshold`` on ``k`` of the last ``n`` samples, or one
+    sample beyond ``single_threshold`` when ``single`` (after warm-up)."""
 
     name = "robust_z"
     _state = ("recent", "last_z")
@@ -81,13 +82,15 @@ class RobustZ(Detector):
             (z - rho * self.last_z) / math.sqrt(1.0 - rho * rho))
         self.last_z = z
         s = orient(u, self.direction)
-        exceeded = s > self.config.threshold
-        self.recent = (self.recent + [[step, exceeded]])[-self.config.n :]
+        cfg = self.config
+        exceeded = s > cfg.threshold
+        self.recent = (self.recent + [[step, exceeded]])[-cfg.n :]
         hits = [t for t, e in self.recent if e]
-        if not exceeded or len(hits) < self.config.k:
+        persistent = exceeded and len(hits) >= cfg.k
+        if not persistent and not (cfg.single and s > cfg.single_threshold):
             return None
         b = self.baseline
-        return self._finding(step, hits[0], value, b.location, b.scale, s)
+        return self._finding(step, hits[0] if persistent else step, value, b.location, b.scale, s)
 
 
 class Cusum(Detector):

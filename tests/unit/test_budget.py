@@ -196,6 +196,25 @@ def test_the_bank_resolves_null_thresholds_from_the_budget_and_the_model_size():
     assert pinned.thresholds["attn"]["robust_z"] == 7.0
 
 
+def test_the_single_sample_rule_shares_the_rule_budget_half_and_half():
+    """With robust_z.single, the single-sample and the k-of-n parts each spend p / 2, so the
+    rule's per-sample false-alarm probability under the Laplace null stays p; off by default."""
+    names = ["attn/delta2/entropy/layer_1/min", "attn/delta2/entropy/layer_2/min"]
+    off = DetectorBank(load_config({}), names).thresholds["attn"]
+    assert "robust_z_single" not in off
+    assert off["robust_z"] == robust_z_threshold(off["per_sample_probability"], 3, 4)
+    on = DetectorBank(load_config({"detectors": {"attn": {"robust_z": {"single": True}}}}),
+                      names).thresholds["attn"]
+    p = on["per_sample_probability"]
+    assert on["robust_z"] == robust_z_threshold(p / 2, 3, 4) > off["robust_z"]
+    tail = 0.5 * math.exp(-LAPLACE_SCALE * on["robust_z_single"])
+    k_of_n = 3 * (0.5 * math.exp(-LAPLACE_SCALE * on["robust_z"])) ** 3
+    assert tail + k_of_n == pytest.approx(p, rel=1e-9)
+    pinned = DetectorBank(load_config({"detectors": {"attn": {"robust_z": {
+        "single": True, "single_threshold": 20.0}}}}), names).thresholds["attn"]
+    assert pinned["robust_z_single"] == 20.0
+
+
 def test_peers_remove_a_shift_shared_by_every_layer_and_keep_a_local_one():
     names = [f"attn/delta2/entropy/layer_{i}/min" for i in (1, 2, 3)]
     peers = PeerGroups(names + ["attn/delta2/entropy/layer_9/head_0"])

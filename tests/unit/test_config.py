@@ -86,6 +86,8 @@ def test_unknown_key_without_close_match_lists_the_known_keys():
         ({"actions": {"exit_code": 0}}, r"exit_code: invalid value 0.*success"),
         ({"actions": {"on_alarm": "exit"}}, r"on_alarm: invalid value 'exit'; allowed: one of"),
         ({"detectors": {"attn": {"robust_z": {"k": 5}}}}, r"robust_z\.k: invalid value 5.*n = 4"),
+        ({"detectors": {"optim": {"robust_z": {"single_threshold": -1}}}},
+         r"optim\.robust_z\.single_threshold: invalid value -1\.0; allowed: null or a number > 0"),
         (
             {"detectors": {"attn": {"signals": ["global/loss"]}}},
             r"mechmon\.detectors\.attn\.signals\[0\]: invalid value 'global/loss'; allowed: a pat",

@@ -83,6 +83,25 @@ def test_single_outlier_does_not_fire_but_three_of_four_do():
     assert step == 33 * INTERVAL and finding.score > 5.0
 
 
+def test_the_single_sample_rule_fires_on_one_jump_beyond_its_own_threshold_only():
+    """robust_z.single: a jump beyond the single-sample threshold alarms at that sample (onset
+    there); one between the k-of-n and the single-sample thresholds does not."""
+    on = load_config({"detectors": {"attn": {"robust_z": {"single": True},
+                                             "cusum": {"enabled": False}}}})
+    bank = DetectorBank(on, [ATTN])
+    rz = bank.thresholds["attn"]
+    assert rz["robust_z_single"] > rz["robust_z"]
+    base = _noise(1, 20)
+    assert not _run(bank, base)
+    b = bank.channels[ATTN].baseline
+    between = b.location - 0.5 * (rz["robust_z"] + rz["robust_z_single"]) * b.scale
+    assert not _run(bank, [5.0, between, 5.0], start=20 * INTERVAL)
+    beyond = b.location - 1.2 * rz["robust_z_single"] * b.scale
+    ((step, (finding,)),) = _run(bank, [5.0, beyond, 5.0], start=30 * INTERVAL)
+    assert finding.detector == "robust_z" and step == finding.onset_step == 31 * INTERVAL
+    assert finding.score > rz["robust_z_single"]
+
+
 def test_down_direction_ignores_an_upward_shift_and_both_catches_it():
     assert not _run(DetectorBank(MechMonConfig.defaults(), [ATTN]), _noise(2, 100, 8.0, 50))
     both = load_config({"detectors": {"attn": {"direction": "both"}}})

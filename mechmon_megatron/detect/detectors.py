@@ -64,6 +64,8 @@ class RobustZ(Detector):
         self, signal: str, family: str, baseline: Baseline, config: RobustZConfig, direction: str
     ) -> None:
         self.baseline, self.config, self.direction = baseline, config, direction
+        self.judged: tuple[int, float] | None = None
+        """(step, s(u)) of the last sample judged (read by benchmarks; not state)."""
         super().__init__(signal, family)
 
     def _clear(self) -> None:
@@ -82,7 +84,7 @@ class RobustZ(Detector):
             (z - rho * self.last_z) / math.sqrt(1.0 - rho * rho))
         self.last_z = z
         s = orient(u, self.direction)
-        cfg = self.config
+        self.judged, cfg = (step, s), self.config
         exceeded = s > cfg.threshold
         self.recent = (self.recent + [[step, exceeded]])[-cfg.n :]
         hits = [t for t, e in self.recent if e]

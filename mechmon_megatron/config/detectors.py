@@ -126,6 +126,10 @@ class FamilyDetectorConfig:
     """Absolute bounds."""
     signal_bounds: dict[str, BoundsConfig] = field(default_factory=dict)
     """Absolute bounds of the signals matching a pattern (first match), instead of ``bounds``."""
+    alarm_above: dict[str, float] = field(default_factory=dict)
+    """Signals (patterns, first match) whose baseline rules (robust z, CUSUM) alarm only on a
+    sample at or above this value; a rise that stays below it is not a fault (Adam's sharpness
+    ratio below its edge of stability, 1, is progressive sharpening, where healthy runs go)."""
     peer_signals: list[str] = field(default_factory=list)
     """Positive signals (patterns) judged against their peers: each sample's log-ratio to the
     median of the same signal over the other layers at that step, judged from the pack (a fault
@@ -193,6 +197,9 @@ def _optim_family() -> FamilyDetectorConfig:
         # single estimates of 1-2.8. At ratio 2 the top mode's iterate grows x5.5 per step
         # (x1 at the edge), so two such estimates are an instability, not hovering.
         signal_bounds={"optim/sharpness/eos_ratio": BoundsConfig(max=2.0, k=2, n=3)},
+        # Below the edge (ratio 1) the top mode contracts: a rise there, however far from the
+        # run's baseline, is progressive sharpening, not an instability (Cohen et al. 2021).
+        alarm_above={"optim/sharpness/eos_ratio": 1.0},
         # Update ratios fall with LR decay and drift with weight growth: a tracked baseline, a
         # scale floor of 5% of the level (their sample-to-sample noise).
         baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.05),
@@ -322,6 +329,9 @@ class DetectorsConfig:
                     pattern,
                     f"a pattern starting with '{key}/'",
                 )
+            for pattern in fam.alarm_above:
+                require(pattern.startswith(key + "/"), f"{key}.alarm_above", pattern,
+                        f"patterns starting with '{key}/'")
 
     def families(self) -> dict[str, FamilyDetectorConfig]:
         """``{family: config}`` keyed by signal family name (attn, router, optim, global)."""

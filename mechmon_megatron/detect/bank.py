@@ -181,6 +181,10 @@ class DetectorBank:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
         if fam.cusum.enabled:
             channel.detectors.append(Cusum(name, family, baseline, fam.cusum, direction))
+        floor = next((v for p, v in fam.alarm_above.items() if compile_pattern(p).match(name)),
+                     None)
+        for d in channel.detectors:
+            d.floor = floor
         bounds = next((b for p, b in fam.signal_bounds.items() if compile_pattern(p).match(name)),
                       fam.bounds)
         if bounds.min is not None or bounds.max is not None:

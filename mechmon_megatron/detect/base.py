@@ -79,6 +79,8 @@ class Detector:
     accepts_nonfinite: ClassVar[bool] = False
     absolute: ClassVar[bool] = False
     """Judges the raw value, never its peer departure (detect/peers.py)."""
+    floor: float | None = None
+    """A finding needs its value at or above this (``alarm_above``; set by the bank)."""
 
     def __init__(self, signal: str, family: str, alarm: bool = True) -> None:
         self.signal, self.family, self.alarm = signal, family, alarm
@@ -89,6 +91,8 @@ class Detector:
         if self.latched:
             return None
         finding = self._update(step, value)
+        if finding is not None and self.floor is not None and not value >= self.floor:
+            finding = None
         self.latched = finding is not None
         return finding
 

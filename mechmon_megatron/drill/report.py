@@ -41,6 +41,7 @@ from mechmon_megatron.drill.evaluate import (
     monitor_config,
 )
 from mechmon_megatron.drill.runner import run_dir
+from mechmon_megatron.scan.output import publish
 from mechmon_megatron.train.plot import read_jsonl
 
 __all__ = ["SCHEMA_VERSION", "LEAD_TARGET_PCT", "LEAD_TARGET_STEPS", "score_run",
@@ -174,7 +175,8 @@ def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
 
 def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, trained: int,
                  jobs: int, emulation: dict[str, Any] | None, plots: bool = True) -> dict[str, Any]:
-    """Evaluate ``campaign`` and write ``drill.json``, ``drill.md`` and ``plots/*.png``.
+    """Evaluate ``campaign`` and write ``drill.json``, ``drill.md`` (each atomically, see
+    :func:`~mechmon_megatron.scan.output.publish`) and ``plots/*.png``.
 
     Args:
         campaign: the campaign whose runs are under ``out/runs``.
@@ -204,8 +206,8 @@ def write_report(campaign: Campaign, out: str | Path, train_wall_s: float, train
             path = plot_run(row, out, run_dir(out, runs[row["name"]]),
                             run_dir(out, partner) if partner else None)
             report["plots"].append(str(path.relative_to(out)))
-    (out / "drill.json").write_text(json.dumps(_jsonable(report), indent=1) + "\n")
-    (out / "drill.md").write_text(render(report))
+    publish(out, {"drill.json": (json.dumps(_jsonable(report), indent=1) + "\n").encode(),
+                  "drill.md": render(report).encode()})
     return report
 
 

@@ -168,6 +168,25 @@ def test_hovering_at_the_edge_with_single_overshoots_is_not_an_alarm():
     assert not _run(bank, values, signal="optim/sharpness/eos_ratio")
 
 
+def test_a_sharpness_rise_below_the_edge_is_not_an_alarm_but_one_above_it_is():
+    """The baseline rules on the sharpness ratio fire only at or above the edge (1): a rise from
+    0.3 to 0.9 (progressive sharpening) is silent however far it is from the baseline; the same
+    rise to 1.5 alarms from the baseline rules (the absolute bound, 2, stays quiet)."""
+    eos = "optim/sharpness/eos_ratio"
+    warmup = [0.3 + 0.02 * math.sin(i) for i in range(20)]
+    quiet = DetectorBank(MechMonConfig.defaults(), [eos])
+    assert {d.floor for d in quiet.channels[eos].detectors if not d.absolute} == {1.0}
+    assert not _run(quiet, warmup + [0.9] * 10, signal=eos)
+    loud = DetectorBank(MechMonConfig.defaults(), [eos])
+    (step, findings), *_ = _run(loud, warmup + [0.9, 0.9, 1.5, 1.5, 1.5], signal=eos)
+    assert step >= 22 * INTERVAL and {f.detector for f in findings} <= {"robust_z", "cusum"}
+    assert all(f.value >= 1.0 for f in findings)
+    unfloored = load_config({"detectors": {"optim": {"alarm_above": {}}}})
+    assert _run(DetectorBank(unfloored, [eos]), warmup + [0.9] * 10, signal=eos)
+    with pytest.raises(ValueError, match=r"optim\.alarm_above: invalid value 'attn/x'"):
+        load_config({"detectors": {"optim": {"alarm_above": {"attn/x": 1.0}}}})
+
+
 def test_megatron_spiky_loss_rule_uses_the_max_of_the_first_samples_and_only_logs():
     bank = DetectorBank(MechMonConfig.defaults(), [LOSS])
     losses = [10.0 - 0.05 * i for i in range(100)] + [2.0] * 50 + [99.0, 100.0]

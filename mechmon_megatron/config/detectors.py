@@ -49,8 +49,8 @@ class RobustZConfig:
     n: int = 4
     """... among the last n monitored samples."""
     single: bool = False
-    """Also alarm on one sample alone beyond ``single_threshold`` (one interval sooner on a
-    jump, e.g. an LR step). Off by default: its budget threshold trusts exponential tails out
+    """Also alarm on one sample alone beyond ``single_threshold`` (at a jump's first sample,
+    k - 1 samples sooner). Off by default: its budget threshold trusts exponential tails out
     to ~12 scales, and on t(3) noise the whole monitor then far exceeds its budget
     (benchmarks/false_alarm_rate.py)."""
     single_threshold: float | None = None

@@ -183,7 +183,7 @@ class DetectorBank:
             channel.detectors.append(Cusum(name, family, baseline, fam.cusum, direction))
         floor = next((v for p, v in fam.alarm_above.items() if compile_pattern(p).match(name)),
                      None)
-        for d in channel.detectors:
+        for d in channel.detectors:  # the baseline rules; bounds (absolute) come next
             d.floor = floor
         bounds = next((b for p, b in fam.signal_bounds.items() if compile_pattern(p).match(name)),
                       fam.bounds)

@@ -20,7 +20,7 @@ for independent samples ``P = C(n-1, k-1) q^k`` with ``q = P(z > threshold)``, h
 
 Single sample (``robust_z.single``, off by default). The k-of-n rule may also fire on one
 sample beyond ``robust_z_threshold(p / 2, 1, 1)`` (the k-of-n part then gets ``p / 2`` too, so
-the rule still spends ``p``): one interval sooner on a jump, but the threshold (~12 scales)
+the rule still spends ``p``): ``k - 1`` samples sooner on a jump, but the threshold (~12 scales)
 extrapolates the Laplace tail ~3x further than the k-of-n threshold does (~4), and on t(3) noise
 the whole monitor then fires 100-1,700x its budget (``benchmarks/false_alarm_rate.py --single``).
 

@@ -10,8 +10,10 @@ Usage (every rank, same order)::
         verdict = mon.end_step(step, loss=loss, grad_norm=grad_norm)
 
 Each monitor keeps its own schedule: a step is *monitored* when it is a step of some monitor
-(``step % monitor.interval == 0``), the same on every rank; a monitor that is not due returns
-nothing and does no work, and an unmonitored step makes no collective and no host sync. On a
+(``monitor.due(step)`` where a monitor defines it, from values every rank holds alike, e.g. the
+optimizer monitor's LR-triggered sharpness; else ``step % monitor.interval == 0``), the same on
+every rank; a monitor that is not due returns nothing and does no work, and an unmonitored step
+makes no collective and no host sync. On a
 monitored step every rank makes exactly these collectives, whatever it observed: the due
 monitors' own (their local phases cannot fail past them: ``comm`` rule 5), one SUM all-reduce
 (:func:`signals.reduce_signals`), one MAX all-reduce (:func:`alarm.consensus`, which also carries
@@ -154,7 +156,13 @@ class MechMon(StateMixin, CoverageMixin):
     def is_monitored(self, step: int) -> bool:
         """Whether ``step`` is a step of some monitor (same answer on every rank; with no
         monitor attached, every step is monitored: the loss and grad norm rules run)."""
-        return not self.intervals or any(step % i == 0 for i in self.intervals)
+        return not self.intervals or any(self._monitor_due(i, step)
+                                         for i in range(len(self.monitors)))
+
+    def _monitor_due(self, index: int, step: int) -> bool:
+        """Whether monitor ``index`` is due at ``step`` (its ``due`` or its interval)."""
+        due = getattr(self.monitors[index], "due", None)
+        return bool(due(step)) if due is not None else step % self.intervals[index] == 0
 
     @property
     def strict(self) -> bool:
@@ -192,8 +200,8 @@ class MechMon(StateMixin, CoverageMixin):
         if not self.is_monitored(step):
             return Verdict(step, monitored=False)
         local: dict[str, float] = {}
-        for monitor, interval in zip(self.monitors, self.intervals, strict=True):
-            if step % interval == 0:
+        for index, monitor in enumerate(self.monitors):
+            if self._monitor_due(index, step):
                 try:
                     local.update(monitor.end_step(step))
                 except Exception as exc:
@@ -211,6 +219,7 @@ class MechMon(StateMixin, CoverageMixin):
             local = {k: v for k, v in local.items() if k in self.names}
         table = reduce_signals(local, self.names, self.group)
         table.update(self._derived(table))
+        self._schedule_from(step, table)
         findings, diagnosis = self._detect(step, table)
         agreed = consensus(
             diagnosis is not None,
@@ -258,6 +267,16 @@ class MechMon(StateMixin, CoverageMixin):
                 except Exception as exc:  # noqa: BLE001
                     self._error(f"{monitor.family}.derive", exc)
         return out
+
+    def _schedule_from(self, step: int, table: Mapping[str, float]) -> None:
+        """Hand the reduced table to monitors whose schedule follows it (``schedule``)."""
+        for monitor in self.monitors:
+            schedule = getattr(monitor, "schedule", None)
+            if schedule is not None:
+                try:
+                    schedule(step, table)
+                except Exception as exc:  # noqa: BLE001
+                    self._error(f"{monitor.family}.schedule", exc)
 
     def _detect(self, step: int, table: Mapping[str, float]) -> tuple[list[Any], Any | None]:
         try:

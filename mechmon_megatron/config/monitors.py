@@ -125,6 +125,19 @@ class SharpnessConfig:
     """Sequences of the cached micro-batch the loss is evaluated on (0: all of it)."""
     vector_dtype: Literal["fp32", "bf16"] = "fp32"
     """Precision of the warm-start eigenvector kept between estimates."""
+    lr_trigger: float = 1.5
+    """Also estimate on any step whose learning rate is at least this multiple of the one the
+    last estimate used (0: off). ``eos_ratio`` scales with the LR at once (the curvature and
+    Adam's second moment have not moved yet), and after its warm-up a healthy schedule only
+    lowers the LR: a rise is a restart, a resume with another LR, or a fault. Below 2, so that
+    from the edge (ratio 1) the bound at 2 is never crossed unseen; an LR rise by F costs
+    ``log F / log lr_trigger`` estimates."""
+    recheck_above: float = 2.0
+    """An estimate whose ``eos_ratio`` is at or above this (the absolute bound's default) is
+    taken again on each of the next ``rechecks`` steps, so the bound's k-of-n decides in k
+    steps instead of k sharpness intervals (0: never)."""
+    rechecks: int = 2
+    """Steps that recheck an estimate at or above ``recheck_above``."""
 
     def __post_init__(self) -> None:
         require(self.interval > 0, "interval", self.interval, "an integer > 0")
@@ -132,6 +145,10 @@ class SharpnessConfig:
         require(self.tol >= 0, "tol", self.tol, "a number >= 0")
         require(0 < self.fd_scale < 1, "fd_scale", self.fd_scale, "a number in (0, 1)")
         require(self.batch_size >= 0, "batch_size", self.batch_size, "an integer >= 0")
+        require(self.lr_trigger == 0 or self.lr_trigger > 1, "lr_trigger", self.lr_trigger,
+                "0 (off) or a number > 1")
+        require(self.recheck_above >= 0, "recheck_above", self.recheck_above, "a number >= 0")
+        require(self.rechecks >= 0, "rechecks", self.rechecks, "an integer >= 0")
 
 
 @dataclass

@@ -46,7 +46,7 @@ from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, 
 from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight, local_fp32
 from mechmon_megatron.layouts.deepspeed_moe import find_topk_gates
 from mechmon_megatron.layouts.param_groups import classify
-from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
 from mechmon_megatron.monitors.probe_context import isolated
 
@@ -318,7 +318,8 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     # selection): held fixed within an estimate (probe_context.FrozenTopK).
     gates = [gate for _, gate, _ in find_topk_gates(module)]
     probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
-                           adam_collective=True, local_model=local, routers=gates)
+                           adam_collective=True, local_model=local, routers=gates,
+                           lr=schedule_lr(engine.optimizer.param_groups))
     return OptimSource(entries, probe=probe, **phases)
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.probe_context import isolated
 
 __all__ = ["zero3_probe", "zero3_adam", "zero3_gradient", "zero3_weights",
@@ -57,7 +57,8 @@ def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
                           lambda _: None, lambda g: g, zero3_adam(engine, params, ready, group),
                           group=group,
                           gradient=zero3_gradient(engine, params, loss, trackers, group),
-                          weights=lambda: zero3_weights(params, rank))
+                          weights=lambda: zero3_weights(params, rank),
+                          lr=schedule_lr(engine.optimizer.param_groups))
 
 
 def zero3_memory_problem(params: Sequence[torch.nn.Parameter]) -> str | None:

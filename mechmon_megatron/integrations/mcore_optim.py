@@ -37,7 +37,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32, low_precision_reason
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
-from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe
+from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
 from mechmon_megatron.monitors.probe_context import isolated
 
@@ -236,5 +236,6 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
         fp8 = getattr(get_model_config(model), "fp8", None)
         probe = CurvatureProbe(names, tensors, [_owned(p) for p in tensors], loss, reduce,
                                state, routers=_routers(model),
-                               local_model=set(sizes) == {1} and not fp8)
+                               local_model=set(sizes) == {1} and not fp8,
+                               lr=schedule_lr(optimizer.param_groups))
     return OptimSource(entries, read, probe)

@@ -6,6 +6,7 @@ elements each rank owns. Built by ``integrations/*_optim.py``, used by
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -13,7 +14,7 @@ import torch
 
 from mechmon_megatron import comm
 
-__all__ = ["AdamState", "CurvatureProbe"]
+__all__ = ["AdamState", "CurvatureProbe", "schedule_lr"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class CurvatureProbe:
     EP of 1): a failure inside them is voided like the estimator's own local work; otherwise it
     is raised (a rank that left the model's collectives midway cannot be put back in step)."""
 
+    lr: Callable[[], float] | None = None
+    """The schedule's learning rate of this step, read on the host with no collective and the
+    same on every rank of ``group`` (:func:`schedule_lr`); None: no LR-triggered estimates."""
+
     def local_dots(self, pairs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]],
                    ) -> torch.Tensor:
         """This rank's part of ``[u . v, ...]`` over owned elements (float64, on the first
@@ -92,3 +97,30 @@ class CurvatureProbe:
              ) -> torch.Tensor:
         """Global inner products: :meth:`local_dots` and one SUM all-reduce for the batch."""
         return comm.all_reduce_sum(self.local_dots(pairs), self.group)
+
+
+def schedule_lr(param_groups: Sequence[Mapping[str, object]]) -> Callable[[], float]:
+    """``() -> lr`` of the parameter group holding the most elements (ties: the first).
+
+    That group follows the run's schedule and any fault of the whole run's LR, while a group
+    with its own multiplier (a router's, a decoupled embedding LR) does not pull it. The group
+    is chosen once; its ``lr`` is read on each call (a host float, no device access). Every
+    rank that holds every kind of parameter (the probe's condition: no pipeline parallelism)
+    has the same groups with the same LRs, so the answer is the same on every rank; the size
+    of a ZeRO-3 partition is its ``ds_numel``. An LR held as a device tensor reads NaN (no
+    trigger) rather than synchronise the host on every step.
+    """
+    def size(group: Mapping[str, object]) -> int:
+        return sum(int(getattr(p, "ds_numel", 0) or p.numel())
+                   for p in group.get("params", []))  # type: ignore[attr-defined]
+
+    sizes = [size(g) for g in param_groups]
+    chosen = param_groups[sizes.index(max(sizes))] if sizes else None
+
+    def lr() -> float:
+        value = math.nan if chosen is None else chosen["lr"]
+        if torch.is_tensor(value) and value.device.type != "cpu":
+            return math.nan  # a device LR (capturable Adam) would be a host sync every step
+        return float(value)  # type: ignore[arg-type]
+
+    return lr

@@ -31,9 +31,11 @@ mean is the exact total; the ratios are derived from the reduced table.
                                        g (where the mode at the edge of stability lives)
 =====================================  ===========================================================
 
-Sharpness runs every ``sharpness.interval`` steps (a multiple of ``interval``) when the
-integration gave a :class:`~mechmon_megatron.monitors.curvature_probe.CurvatureProbe`
-(:mod:`mechmon_megatron.monitors.sharpness`).
+Sharpness runs when the integration gave a
+:class:`~mechmon_megatron.monitors.curvature_probe.CurvatureProbe`
+(:mod:`mechmon_megatron.monitors.sharpness`): every ``sharpness.interval`` steps (a multiple of
+``interval``), and off that schedule on a rise of the LR and to recheck an estimate at the
+bound (:mod:`mechmon_megatron.monitors.sharpness_schedule`; no update ratios on those steps).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from mechmon_megatron import comm
 from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
 from mechmon_megatron.monitors.sharpness import SharpnessEstimator
+from mechmon_megatron.monitors.sharpness_schedule import SharpnessSchedule
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
            "SHARPNESS_SIGNALS"]
@@ -123,9 +126,10 @@ class OptimMonitor:
         self.interval = int(config.interval)
         self.holders = dict(sorted(holders.items()))
         self.keys = [optim_key(p.group, p.layer) for p in source.params]
-        self.sharp_every = int(config.sharpness.interval)
         self.estimator = (SharpnessEstimator(config.sharpness, source.probe)
                           if config.sharpness.enabled and source.probe is not None else None)
+        self.sharp = SharpnessSchedule(config.sharpness,
+                                       source.probe.lr if source.probe is not None else None)
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = -1
         self.errors = 0
@@ -147,14 +151,22 @@ class OptimMonitor:
         return sorted(set(names))
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is one of this monitor's steps."""
+        """Whether ``step`` is one of this monitor's steps: its interval, or a sharpness
+        estimate off the schedule; the same answer on every rank."""
+        return self._regular(step) or self._sharpness_due(step)
+
+    def _regular(self, step: int) -> bool:
         return step % self.interval == 0 and step >= int(self.config.warmup_steps)
 
+    def _sharpness_due(self, step: int) -> bool:
+        return (self.estimator is not None and step >= int(self.config.warmup_steps)
+                and self.sharp.due(step, self._regular(step)))
+
     def begin_step(self, step: int) -> None:
-        """Copy the weights before the update (``window: step``, monitored steps only)."""
+        """Copy the weights before the update (``window: step``, interval steps only)."""
         if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
             self.snapshot = None
-            if self.due(step):
+            if self._regular(step):
                 weights = self._weights()
                 if weights is not None:
                     self.snapshot, self.snapshot_step = self._copy(weights), step - 1
@@ -164,14 +176,15 @@ class OptimMonitor:
         if not self.due(step):
             return {}
         out: dict[str, float] = {}
-        if self.config.update_ratio.enabled:
+        if self.config.update_ratio.enabled and self._regular(step):
             weights = self._weights()
             try:
                 out.update(self._ratios(step, weights))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
                 out.update(self._void())
-        if self.estimator is not None and step % self.sharp_every == 0:
+        if self._sharpness_due(step):
+            self.sharp.started(step)
             # Collective on every rank: the readiness vote, then the probe's products. A failed
             # local phase voids the estimate on every rank; an exception inside the model's own
             # collectives is not caught: it left this rank between them.
@@ -195,6 +208,11 @@ class OptimMonitor:
         out.update({f"optim/update_ratio/{k}": _ratio(u, r) for k, (u, r) in sums.items()})
         return out
 
+    def schedule(self, step: int, table: Mapping[str, float]) -> None:
+        """The reduced table of a monitored step (the same on every rank): owe the sharpness
+        rechecks of an estimate at the bound."""
+        self.sharp.observe(step, table)
+
     def coverage(self) -> dict[str, int]:
         """``found`` parameters, ``observed``/``skipped`` keys at the last step, ``errors``,
         ``memory_bytes`` (snapshot and warm-start vector)."""
@@ -212,7 +230,8 @@ class OptimMonitor:
                 "snapshot": [t.cpu() for t in self.snapshot] if keep else None,
                 "snapshot_step": self.snapshot_step,
                 "reader": [comm.global_rank(), comm.world_size()],
-                "sharpness": self.estimator.state_dict() if self.estimator else None}
+                "sharpness": self.estimator.state_dict() if self.estimator else None,
+                "sharpness_schedule": self.sharp.state_dict()}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`. The window snapshot only where the same rank of the same
@@ -224,6 +243,7 @@ class OptimMonitor:
         self.snapshot_step = int(sd.get("snapshot_step", -1)) if same else -1
         if self.estimator is not None and sd.get("sharpness") is not None:
             self.estimator.load_state_dict(sd["sharpness"])
+        self.sharp.load_state_dict(sd.get("sharpness_schedule") or {})
 
     def forget_rank_state(self) -> None:
         """Drop what belongs to this rank's parameter shards (the window snapshot, the

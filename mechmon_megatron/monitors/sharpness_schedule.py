@@ -1,0 +1,85 @@
+"""When the sharpness is estimated: its interval, and two reasons to look sooner.
+
+- **Interval:** every ``sharpness.interval`` steps (monitored steps of ``optim.interval``).
+- **LR trigger:** any step whose learning rate is at least ``sharpness.lr_trigger`` times the one
+  the last estimate used. ``eos_ratio = eta lambda / threshold`` moves with ``eta`` at once (the
+  curvature and Adam's second moment have not moved yet), so an LR step is measured on the step
+  it lands instead of up to one sharpness interval later.
+- **Rechecks:** each of the ``sharpness.rechecks`` steps after an estimate whose reduced
+  ``eos_ratio`` is at or above ``sharpness.recheck_above``, so the absolute bound's k-of-n decides
+  within k steps instead of k intervals. A recheck owes none of its own.
+
+Every input is the same on every rank (the step, the schedule's LR read on the host with no
+collective, the reduced table), so every rank makes the same estimates and collectives; an
+unmonitored step reads one host float. The state travels with the monitor's checkpoint: a run
+resumed with a raised LR is measured on its first step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["SharpnessSchedule", "EOS_RATIO"]
+
+EOS_RATIO = "optim/sharpness/eos_ratio"
+
+
+class SharpnessSchedule:
+    """See the module docstring.
+
+    Args:
+        config: ``SharpnessConfig`` (interval, lr_trigger, recheck_above, rechecks).
+        lr: ``() -> the schedule's LR of this step`` (host float, the same on every rank), or
+            None: no LR trigger.
+    """
+
+    def __init__(self, config: Any, lr: Callable[[], float] | None) -> None:
+        self.config, self.read_lr = config, lr
+        self.estimate_lr: float | None = None
+        """The LR of the last estimate (None: none yet; the LR trigger waits for one)."""
+        self.rechecks = 0
+        """Estimates still owed to the last one at or above ``recheck_above``."""
+        self._last_step = -1
+        self._last_was_recheck = False
+
+    def lr(self) -> float:
+        """The schedule's LR now (NaN without a reader: never triggers)."""
+        return math.nan if self.read_lr is None else float(self.read_lr())
+
+    def off_schedule(self) -> bool:
+        """A recheck is owed, or the LR rose ``lr_trigger``-fold since the last estimate."""
+        if self.rechecks > 0:
+            return True
+        trigger = float(self.config.lr_trigger)
+        return trigger > 0 and self.estimate_lr is not None and self.lr() >= (
+            trigger * self.estimate_lr)
+
+    def due(self, step: int, monitored: bool) -> bool:
+        """Whether ``step`` estimates: an interval step (``monitored``: a step of the optim
+        interval) or :meth:`off_schedule`."""
+        return (monitored and step % int(self.config.interval) == 0) or self.off_schedule()
+
+    def started(self, step: int) -> None:
+        """An estimate runs at ``step`` (whether or not every rank is ready for it)."""
+        self._last_step, self._last_was_recheck = step, self.rechecks > 0
+        self.rechecks = max(self.rechecks - 1, 0)
+        self.estimate_lr = self.lr()
+
+    def observe(self, step: int, table: Mapping[str, float]) -> None:
+        """Owe the rechecks after an estimate at or above ``recheck_above`` (reduced table)."""
+        above = float(self.config.recheck_above)
+        value = table.get(EOS_RATIO, math.nan)
+        if step == self._last_step and not self._last_was_recheck and 0 < above <= value:
+            self.rechecks = int(self.config.rechecks)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The LR of the last estimate and the rechecks owed."""
+        return {"estimate_lr": self.estimate_lr, "rechecks": self.rechecks}
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (missing keys: no estimate yet, nothing owed)."""
+        lr = sd.get("estimate_lr")
+        self.estimate_lr = None if lr is None else float(lr)
+        self.rechecks = int(sd.get("rechecks", 0))

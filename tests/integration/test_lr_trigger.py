@@ -1,0 +1,88 @@
+"""An LR step off the monitor's schedule: the sharpness is estimated on the step it lands (the LR
+trigger), rechecked on the next steps, and the absolute bound alarms ``lr`` one step after the
+change instead of sharpness intervals later; the healthy run of the same seed estimates on the
+interval only and stays silent; the off-schedule estimates leave training bitwise unchanged."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+STEPS, ONSET = 64, 43
+CAMPAIGN = {
+    "name": "lr_trigger_test",
+    "steps": STEPS,
+    "seeds": [1234],
+    "monitor": {"interval": 10, "sharpness_interval": 30},
+    "models": {"dense": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                         "seq_length": 64}},
+    "optim": {"lr": 2.0e-3, "min_lr": 2.0e-3, "warmup_steps": 20, "schedule": "constant"},
+    "data": {"global_batch_size": 16, "max_bytes": 2_000_000},
+    "faults": [{"name": "lr_step", "class": "lr", "model": "dense", "onset": ONSET,
+                "lr": {"factor": 30.0, "ramp_steps": 0}}],
+}
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "train.jsonl").read_text().splitlines()]
+
+
+def _sharpness_steps(rows: list[dict]) -> list[int]:
+    return [r["step"] for r in rows if r["signals"].get("optim/sharpness/eos_ratio") is not None]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from mechmon_megatron.drill.campaign import build_campaign
+    from mechmon_megatron.drill.spec import load_campaign
+    from mechmon_megatron.train.trainer import run
+
+    root = tmp_path_factory.mktemp("lr_trigger")
+    by_name = {r.name: r for r in build_campaign(load_campaign(CAMPAIGN)).runs}
+    plain = copy.deepcopy(by_name["lr_step-s1234"].config)
+    plain["mechmon"]["optim"]["sharpness"].update(lr_trigger=0, rechecks=0)
+    configs = {"healthy": by_name["healthy-dense-s1234"].config,
+               "faulty": by_name["lr_step-s1234"].config, "faulty_plain": plain}
+    out = {}
+    for name, config in configs.items():
+        result = run(dict(config, out_dir=str(root / name), run_past_alarm=True))
+        out[name] = (result, root / name)
+    return out
+
+
+def test_the_healthy_run_estimates_on_the_interval_only_and_stays_silent(runs):
+    result, out = runs["healthy"]
+    assert result.alarm is None
+    assert _sharpness_steps(_rows(out)) == [30, 60]
+
+
+def test_an_lr_step_is_estimated_where_it_lands_and_alarms_lr_on_the_next_step(runs):
+    result, out = runs["faulty"]
+    rows = {r["step"]: r for r in _rows(out)}
+    assert _sharpness_steps(list(rows.values())) == [30, ONSET, ONSET + 1, ONSET + 2, 60]
+    assert rows[ONSET]["signals"]["optim/sharpness/eos_ratio"] >= 2.0
+    off = rows[ONSET]["signals"]
+    assert off.get("optim/update_ratio/all") is None  # ratios on interval steps only
+    alarm = result.alarm
+    assert alarm is not None and alarm["fault_class"] == "lr"
+    assert alarm["alarm_step"] == ONSET + 1
+    assert alarm["evidence"][0]["signal"] == "optim/sharpness/eos_ratio"
+
+
+def test_without_the_trigger_the_same_fault_waits_for_the_interval(runs):
+    result, out = runs["faulty_plain"]
+    assert _sharpness_steps(_rows(out)) == [30, 60]
+    assert result.alarm is None or result.alarm["alarm_step"] >= 50
+
+
+def test_off_schedule_estimates_leave_training_bitwise_unchanged(runs):
+    assert _losses(runs["faulty"][1]) == _losses(runs["faulty_plain"][1])

@@ -1,0 +1,131 @@
+"""The sharpness schedule: interval steps, the LR trigger and the rechecks of an estimate at the
+bound, decided from values every rank holds alike, and carried through a checkpoint."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mechmon_megatron.config import load_config
+from mechmon_megatron.monitors.sharpness_schedule import EOS_RATIO, SharpnessSchedule
+
+
+class _LR:
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __call__(self) -> float:
+        return self.value
+
+
+def _schedule(lr: _LR | None, **fields) -> SharpnessSchedule:
+    sharpness = {"interval": 50, **fields}
+    return SharpnessSchedule(load_config({"optim": {"interval": 10, "sharpness": sharpness}})
+                             .optim.sharpness, lr)
+
+
+def _run(schedule: SharpnessSchedule, lr: _LR, steps: range, lrs: dict[int, float],
+         ratios: dict[int, float]) -> list[int]:
+    """Steps that estimate, with the LR set from ``lrs`` and each estimate's reduced ratio
+    from ``ratios`` (default 0.5)."""
+    out = []
+    for step in steps:
+        lr.value = lrs.get(step, lr.value)
+        if schedule.due(step, step % 10 == 0):
+            schedule.started(step)
+            out.append(step)
+            schedule.observe(step, {EOS_RATIO: ratios.get(step, 0.5)})
+    return out
+
+
+def test_a_flat_learning_rate_estimates_on_the_interval_only():
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr), lr, range(1, 301), {}, {}) == [50, 100, 150, 200, 250, 300]
+
+
+def test_a_learning_rate_step_is_estimated_on_the_step_it_lands():
+    lr = _LR(1e-3)
+    steps = _run(_schedule(lr), lr, range(1, 201), {73: 1e-2}, {})
+    assert steps == [50, 73, 100, 150, 200]  # once: the trigger compares with the last estimate
+
+
+def test_a_ramp_is_estimated_each_time_the_lr_has_grown_lr_trigger_fold():
+    lr = _LR(1e-3)
+    ramp = {s: 1e-3 * (1 + (s - 60) * 0.1) for s in range(60, 101)}  # x5 over 40 steps
+    steps = _run(_schedule(lr), lr, range(1, 101), ramp, {})
+    grown = [s for s in steps if s not in (50, 100)]
+    assert grown == [65, 73, 85]  # 1.5x, 2.25x, 3.4x the LR at 50
+    for a, b in zip([50] + grown, grown, strict=False):
+        assert ramp[b] >= 1.5 * ramp.get(a, 1e-3)
+
+
+def test_no_trigger_before_the_first_estimate_nor_when_off_or_without_a_reader():
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr), lr, range(1, 50), {5: 1.0}, {}) == []
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr, lr_trigger=0), lr, range(1, 101), {60: 1.0}, {}) == [50, 100]
+    assert _run(_schedule(None), _LR(0.0), range(1, 101), {60: 1.0}, {}) == [50, 100]
+
+
+def test_a_lower_learning_rate_never_triggers():
+    lr = _LR(1e-3)
+    decay = {s: 1e-3 * 0.99 ** s for s in range(51, 201)}
+    assert _run(_schedule(lr), lr, range(1, 201), decay, {}) == [50, 100, 150, 200]
+
+
+@pytest.mark.parametrize("value", [2.0, 7.5, math.inf])
+def test_an_estimate_at_the_bound_is_rechecked_on_the_next_steps(value):
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr), lr, range(1, 101), {}, {50: value, 51: value}) == [
+        50, 51, 52, 100]  # the rechecks owe none of their own
+
+
+@pytest.mark.parametrize("value", [1.99, math.nan])
+def test_an_estimate_below_the_bound_or_void_owes_no_recheck(value):
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr), lr, range(1, 101), {}, {50: value}) == [50, 100]
+
+
+def test_rechecks_follow_the_config():
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr, rechecks=1), lr, range(1, 60), {}, {50: 3.0}) == [50, 51]
+    lr = _LR(1e-3)
+    assert _run(_schedule(lr, recheck_above=0), lr, range(1, 60), {}, {50: 3.0}) == [50]
+
+
+def test_the_schedule_state_survives_a_checkpoint_and_a_resume_with_a_raised_lr():
+    lr = _LR(1e-3)
+    first = _schedule(lr)
+    _run(first, lr, range(1, 51), {}, {50: 3.0})
+    state = first.state_dict()
+    assert state == {"estimate_lr": 1e-3, "rechecks": 2}
+    resumed_lr = _LR(5e-3)
+    resumed = _schedule(resumed_lr)
+    resumed.load_state_dict(state)
+    resumed.rechecks = 0
+    assert resumed.due(57, False)  # the resumed run's LR is 5x the last estimate's
+    fresh = _schedule(resumed_lr)
+    fresh.load_state_dict({})
+    assert not fresh.due(57, False)
+
+
+@pytest.mark.parametrize("field,value", [("lr_trigger", 1.0), ("lr_trigger", -2),
+                                         ("recheck_above", -1), ("rechecks", -1)])
+def test_bad_schedule_settings_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"optim\.sharpness\.{field}: invalid value"):
+        load_config({"optim": {"sharpness": {field: value}}})
+
+
+def test_the_schedule_lr_is_the_largest_groups_and_follows_its_updates():
+    import torch
+
+    from mechmon_megatron.monitors.curvature_probe import schedule_lr
+
+    big, router = torch.zeros(64, 64), torch.zeros(8, 64)
+    groups = [{"params": [router], "lr": 2.0}, {"params": [big], "lr": 1e-3}]
+    lr = schedule_lr(groups)
+    assert lr() == 1e-3  # a router group's own multiplier does not pull it
+    groups[1]["lr"] = 5e-3
+    assert lr() == 5e-3
+    assert math.isnan(schedule_lr([])())

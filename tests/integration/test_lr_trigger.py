@@ -86,3 +86,46 @@ def test_without_the_trigger_the_same_fault_waits_for_the_interval(runs):
 
 def test_off_schedule_estimates_leave_training_bitwise_unchanged(runs):
     assert _losses(runs["faulty"][1]) == _losses(runs["faulty_plain"][1])
+
+
+def _two_ranks(rank: int, world_size: int, tmp: str) -> dict:
+    """TP=2 and DP=2 runs with an LR step at 13 (sharpness every 10), and TP=2 without it."""
+    from mechmon_megatron.train.trainer import run
+
+    def cfg(out: str, parallel: dict, trigger: bool) -> dict:
+        sharpness = {"interval": 10, "batch_size": 0}
+        if not trigger:
+            sharpness.update(lr_trigger=0, rechecks=0)
+        mechmon = {"preset": "dense", "qk": {"interval": 10},
+                   "sinks": {"console": {"enabled": False}}, "actions": {"on_alarm": "log"},
+                   "optim": {"interval": 10, "sharpness": sharpness}}
+        return {"out_dir": f"{tmp}/{out}", "steps": 21, "log_interval": 0,
+                "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                          "seq_length": 32},
+                "parallel": parallel, "optim": {"warmup_steps": 2},
+                "data": {"global_batch_size": 4, "max_bytes": 200_000},
+                "checkpoint": {"save_at_end": False}, "mechmon": mechmon,
+                "fault": {"kind": "lr", "start_step": 13, "lr": {"factor": 30.0}}}
+
+    out = {}
+    for name, parallel, trigger in (("tp2", {"tp": 2}, True), ("dp2", {}, True),
+                                    ("tp2_plain", {"tp": 2}, False)):
+        result = run(cfg(name, parallel, trigger))
+        out[name] = result.alarm_step
+        if rank == 0:
+            rows = _rows(Path(tmp, name))
+            out[f"{name}_steps"] = _sharpness_steps(rows)
+            out[f"{name}_losses"] = _losses(Path(tmp, name))
+    return out
+
+
+def test_every_rank_takes_the_off_schedule_estimates_together_at_tp2_and_dp2(tmp_path):
+    from tests._dist import run_distributed
+
+    ranks = run_distributed(_two_ranks, 2, str(tmp_path), timeout=300)
+    first = ranks[0]
+    for name in ("tp2", "dp2"):
+        assert first[f"{name}_steps"] == [10, 13, 14, 15, 20]
+        assert ranks[1][name] == first[name]  # the same verdicts on both ranks
+    assert first["tp2_plain_steps"] == [10, 20]
+    assert first["tp2_losses"] == first["tp2_plain_losses"]

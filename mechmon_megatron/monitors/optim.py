@@ -34,8 +34,8 @@ mean is the exact total; the ratios are derived from the reduced table.
 Sharpness runs when the integration gave a
 :class:`~mechmon_megatron.monitors.curvature_probe.CurvatureProbe`
 (:mod:`mechmon_megatron.monitors.sharpness`): every ``sharpness.interval`` steps (a multiple of
-``interval``), and off that schedule on a rise of the LR and to recheck an estimate at the
-bound (:mod:`mechmon_megatron.monitors.sharpness_schedule`; no update ratios on those steps).
+``interval``). Off both schedules, on a rise of the LR and to recheck an estimate at the bound,
+the monitor computes both (:mod:`mechmon_megatron.monitors.sharpness_schedule`).
 """
 
 from __future__ import annotations
@@ -151,22 +151,31 @@ class OptimMonitor:
         return sorted(set(names))
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is one of this monitor's steps: its interval, or a sharpness
-        estimate off the schedule; the same answer on every rank."""
-        return self._regular(step) or self._sharpness_due(step)
+        """Whether ``step`` is one of this monitor's steps: its interval, or off the schedule
+        (an LR rise or a recheck, decided in :meth:`begin_step`); the same on every rank."""
+        return self._regular(step) or self._off(step)
 
     def _regular(self, step: int) -> bool:
         return step % self.interval == 0 and step >= int(self.config.warmup_steps)
 
-    def _sharpness_due(self, step: int) -> bool:
+    def _off(self, step: int) -> bool:
         return (self.estimator is not None and step >= int(self.config.warmup_steps)
-                and self.sharp.due(step, self._regular(step)))
+                and self.sharp.off(step))
+
+    def _ratios_due(self, step: int) -> bool:
+        """Update ratios: interval steps, and off-schedule steps of the ``step`` window (the
+        ``interval`` window keeps its span)."""
+        window = self.config.update_ratio.window
+        return self.config.update_ratio.enabled and (
+            self._regular(step) or (window == "step" and self._off(step)))
 
     def begin_step(self, step: int) -> None:
-        """Copy the weights before the update (``window: step``, interval steps only)."""
+        """Decide whether ``step`` is off the schedule (its LR is set now), and copy the
+        weights before the update (``window: step``, on this monitor's steps)."""
+        self.sharp.begin(step)
         if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
             self.snapshot = None
-            if self._regular(step):
+            if self._ratios_due(step):
                 weights = self._weights()
                 if weights is not None:
                     self.snapshot, self.snapshot_step = self._copy(weights), step - 1
@@ -176,14 +185,14 @@ class OptimMonitor:
         if not self.due(step):
             return {}
         out: dict[str, float] = {}
-        if self.config.update_ratio.enabled and self._regular(step):
+        if self._ratios_due(step):
             weights = self._weights()
             try:
                 out.update(self._ratios(step, weights))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
                 out.update(self._void())
-        if self._sharpness_due(step):
+        if self.estimator is not None and self.sharp.due(step, self._regular(step)):
             self.sharp.started(step)
             # Collective on every rank: the readiness vote, then the probe's products. A failed
             # local phase voids the estimate on every rank; an exception inside the model's own

@@ -1,14 +1,17 @@
-"""When the sharpness is estimated: its interval, and two reasons to look sooner.
+"""When the optimizer monitor looks: its interval, and two reasons to look sooner.
 
-- **Interval:** every ``sharpness.interval`` steps (monitored steps of ``optim.interval``).
+- **Interval:** update ratios every ``optim.interval`` steps, the sharpness every
+  ``sharpness.interval`` steps.
 - **LR trigger:** any step whose learning rate is at least ``sharpness.lr_trigger`` times the one
-  the last estimate used. ``eos_ratio = eta lambda / threshold`` moves with ``eta`` at once (the
-  curvature and Adam's second moment have not moved yet), so an LR step is measured on the step
-  it lands instead of up to one sharpness interval later.
+  the last estimate used. ``eos_ratio = eta lambda / threshold`` and the update-to-weight ratio
+  move with ``eta`` at once (the curvature and Adam's second moment have not moved yet), so an
+  LR step is measured on the step it lands instead of up to one interval later.
 - **Rechecks:** each of the ``sharpness.rechecks`` steps after an estimate whose reduced
   ``eos_ratio`` is at or above ``sharpness.recheck_above``, so the absolute bound's k-of-n decides
   within k steps instead of k intervals. A recheck owes none of its own.
 
+An off-schedule step is decided in ``begin_step``, where the LR of the step's own update is set
+(Megatron's scheduler moves it for the next step after the update), and holds until its end.
 Every input is the same on every rank (the step, the schedule's LR read on the host with no
 collective, the reduced table), so every rank makes the same estimates and collectives; an
 unmonitored step reads one host float. The state travels with the monitor's checkpoint: a run
@@ -43,29 +46,38 @@ class SharpnessSchedule:
         """Estimates still owed to the last one at or above ``recheck_above``."""
         self._last_step = -1
         self._last_was_recheck = False
+        self._begun: tuple[int, bool, float] = (-1, False, math.nan)
 
     def lr(self) -> float:
         """The schedule's LR now (NaN without a reader: never triggers)."""
         return math.nan if self.read_lr is None else float(self.read_lr())
 
-    def off_schedule(self) -> bool:
-        """A recheck is owed, or the LR rose ``lr_trigger``-fold since the last estimate."""
-        if self.rechecks > 0:
-            return True
+    def begin(self, step: int) -> None:
+        """Decide at the start of ``step`` whether it is off the schedule (:meth:`off`)."""
+        lr = self.lr()
         trigger = float(self.config.lr_trigger)
-        return trigger > 0 and self.estimate_lr is not None and self.lr() >= (
-            trigger * self.estimate_lr)
+        raised = trigger > 0 and self.estimate_lr is not None and lr >= trigger * self.estimate_lr
+        self._begun = (step, self.rechecks > 0 or raised, lr)
+
+    def off(self, step: int) -> bool:
+        """``step`` is off the schedule: a recheck is owed, or its LR rose ``lr_trigger``-fold
+        since the last estimate (as decided by :meth:`begin`; decided now if it was not
+        called for this step)."""
+        if self._begun[0] != step:
+            self.begin(step)
+        return self._begun[1]
 
     def due(self, step: int, monitored: bool) -> bool:
         """Whether ``step`` estimates: an interval step (``monitored``: a step of the optim
-        interval) or :meth:`off_schedule`."""
-        return (monitored and step % int(self.config.interval) == 0) or self.off_schedule()
+        interval) or :meth:`off`."""
+        return (monitored and step % int(self.config.interval) == 0) or self.off(step)
 
     def started(self, step: int) -> None:
         """An estimate runs at ``step`` (whether or not every rank is ready for it)."""
+        self.off(step)
         self._last_step, self._last_was_recheck = step, self.rechecks > 0
         self.rechecks = max(self.rechecks - 1, 0)
-        self.estimate_lr = self.lr()
+        self.estimate_lr = self._begun[2]
 
     def observe(self, step: int, table: Mapping[str, float]) -> None:
         """Owe the rechecks after an estimate at or above ``recheck_above`` (reduced table)."""

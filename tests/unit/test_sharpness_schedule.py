@@ -129,3 +129,17 @@ def test_the_schedule_lr_is_the_largest_groups_and_follows_its_updates():
     groups[1]["lr"] = 5e-3
     assert lr() == 5e-3
     assert math.isnan(schedule_lr([])())
+
+
+def test_the_decision_of_begin_holds_when_the_scheduler_moves_the_lr_before_the_end():
+    lr = _LR(1e-3)
+    schedule = _schedule(lr)
+    _run(schedule, lr, range(1, 51), {}, {})
+    lr.value = 2e-3
+    schedule.begin(51)  # this update's LR is 2x the last estimate's
+    lr.value = 1e-3  # Megatron's scheduler sets the next step's LR after the update
+    assert schedule.due(51, False)
+    schedule.started(51)
+    assert schedule.estimate_lr == 2e-3  # the LR of the update the estimate follows
+    schedule.begin(52)
+    assert not schedule.due(52, False)

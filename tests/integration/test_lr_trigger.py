@@ -1,7 +1,8 @@
 """An LR step off the monitor's schedule: the sharpness and the update ratios are measured on the
-step it lands (the LR trigger), the sharpness rechecked on the next steps, and the absolute bound alarms ``lr`` one step after the
-change instead of sharpness intervals later; the healthy run of the same seed estimates on the
-interval only and stays silent; the off-schedule estimates leave training bitwise unchanged."""
+step it lands (the LR trigger), the sharpness rechecked on the next steps, and the absolute
+bound alarms ``lr`` one step after the change instead of sharpness intervals later; the healthy
+run of the same seed estimates on the interval only and stays silent; the off-schedule
+estimates leave training bitwise unchanged."""
 
 from __future__ import annotations
 

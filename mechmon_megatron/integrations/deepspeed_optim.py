@@ -319,7 +319,7 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     gates = [gate for _, gate, _ in find_topk_gates(module)]
     probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
                            adam_collective=True, local_model=local, routers=gates,
-                           lr=schedule_lr(engine.optimizer.param_groups))
+                           lr=schedule_lr(engine.optimizer))
     return OptimSource(entries, probe=probe, **phases)
 
 

@@ -58,7 +58,7 @@ def zero3_probe(engine: Any, names: list[str], params: list[torch.nn.Parameter],
                           group=group,
                           gradient=zero3_gradient(engine, params, loss, trackers, group),
                           weights=lambda: zero3_weights(params, rank),
-                          lr=schedule_lr(engine.optimizer.param_groups))
+                          lr=schedule_lr(engine.optimizer))
 
 
 def zero3_memory_problem(params: Sequence[torch.nn.Parameter]) -> str | None:

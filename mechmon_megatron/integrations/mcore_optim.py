@@ -237,5 +237,5 @@ def optim_source(model_chunks: list[torch.nn.Module], optimizer: Any = None,
         probe = CurvatureProbe(names, tensors, [_owned(p) for p in tensors], loss, reduce,
                                state, routers=_routers(model),
                                local_model=set(sizes) == {1} and not fp8,
-                               lr=schedule_lr(optimizer.param_groups))
+                               lr=schedule_lr(optimizer))
     return OptimSource(entries, read, probe)

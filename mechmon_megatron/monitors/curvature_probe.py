@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -99,28 +100,29 @@ class CurvatureProbe:
         return comm.all_reduce_sum(self.local_dots(pairs), self.group)
 
 
-def schedule_lr(param_groups: Sequence[Mapping[str, object]]) -> Callable[[], float]:
-    """``() -> lr`` of the parameter group holding the most elements (ties: the first).
+def schedule_lr(optimizer: Any) -> Callable[[], float]:
+    """``() -> lr`` of ``optimizer``'s parameter group holding the most elements (ties: the
+    first).
 
     That group follows the run's schedule and any fault of the whole run's LR, while a group
-    with its own multiplier (a router's, a decoupled embedding LR) does not pull it. The group
-    is chosen once; its ``lr`` is read on each call (a host float, no device access). Every
-    rank that holds every kind of parameter (the probe's condition: no pipeline parallelism)
-    has the same groups with the same LRs, so the answer is the same on every rank; the size
-    of a ZeRO-3 partition is its ``ds_numel``. An LR held as a device tensor reads NaN (no
-    trigger) rather than synchronise the host on every step.
+    with its own multiplier (a router's, a decoupled embedding LR) does not pull it. The group's
+    index is chosen once; each call reads ``optimizer.param_groups[index]["lr"]`` (a host float,
+    no device access; a checkpoint load that replaces the group dicts is followed). Every rank
+    that holds every kind of parameter (the probe's condition: no pipeline parallelism) has the
+    same groups with the same LRs, so the answer is the same on every rank; the size of a
+    ZeRO-3 partition is its ``ds_numel``. An LR held as a device tensor reads NaN (no trigger)
+    rather than synchronise the host on every step.
     """
-    def size(group: Mapping[str, object]) -> int:
-        return sum(int(getattr(p, "ds_numel", 0) or p.numel())
-                   for p in group.get("params", []))  # type: ignore[attr-defined]
+    def size(group: Mapping[str, Any]) -> int:
+        return sum(int(getattr(p, "ds_numel", 0) or p.numel()) for p in group.get("params", []))
 
-    sizes = [size(g) for g in param_groups]
-    chosen = param_groups[sizes.index(max(sizes))] if sizes else None
+    sizes = [size(g) for g in optimizer.param_groups]
+    index = sizes.index(max(sizes)) if sizes else None
 
     def lr() -> float:
-        value = math.nan if chosen is None else chosen["lr"]
+        value = math.nan if index is None else optimizer.param_groups[index]["lr"]
         if torch.is_tensor(value) and value.device.type != "cpu":
             return math.nan  # a device LR (capturable Adam) would be a host sync every step
-        return float(value)  # type: ignore[arg-type]
+        return float(value)
 
     return lr

@@ -117,18 +117,27 @@ def test_bad_schedule_settings_are_refused_naming_the_field(field, value):
         load_config({"optim": {"sharpness": {field: value}}})
 
 
-def test_the_schedule_lr_is_the_largest_groups_and_follows_its_updates():
+def test_the_schedule_lr_is_the_largest_groups_and_follows_its_updates_and_loads():
     import torch
 
     from mechmon_megatron.monitors.curvature_probe import schedule_lr
 
-    big, router = torch.zeros(64, 64), torch.zeros(8, 64)
-    groups = [{"params": [router], "lr": 2.0}, {"params": [big], "lr": 1e-3}]
-    lr = schedule_lr(groups)
+    big, router = torch.nn.Parameter(torch.zeros(64, 64)), torch.nn.Parameter(torch.zeros(8, 64))
+    optimizer = torch.optim.AdamW([{"params": [router], "lr": 2.0},
+                                   {"params": [big], "lr": 1e-3}])
+    lr = schedule_lr(optimizer)
     assert lr() == 1e-3  # a router group's own multiplier does not pull it
-    groups[1]["lr"] = 5e-3
+    optimizer.param_groups[1]["lr"] = 5e-3
     assert lr() == 5e-3
-    assert math.isnan(schedule_lr([])())
+    state = optimizer.state_dict()
+    state["param_groups"][1]["lr"] = 7e-3
+    optimizer.load_state_dict(state)  # new group dicts
+    assert lr() == 7e-3
+    assert math.isnan(schedule_lr(_NoGroups())())
+
+
+class _NoGroups:
+    param_groups: list = []
 
 
 def test_the_decision_of_begin_holds_when_the_scheduler_moves_the_lr_before_the_end():

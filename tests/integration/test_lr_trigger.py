@@ -130,3 +130,29 @@ def test_every_rank_takes_the_off_schedule_estimates_together_at_tp2_and_dp2(tmp
         assert ranks[1][name] == first[name]  # the same verdicts on both ranks
     assert first["tp2_plain_steps"] == [10, 20]
     assert first["tp2_losses"] == first["tp2_plain_losses"]
+
+
+def test_a_run_resumed_with_a_raised_lr_is_measured_on_its_first_step(tmp_path):
+    """The schedule's state travels with the reference trainer's checkpoint: resumed at 40
+    with ten times the LR, step 41 estimates (its update ratio and eos_ratio ten times the
+    straight run's last), where a fresh monitor would wait for the interval."""
+    from mechmon_megatron.train.trainer import run
+
+    def cfg(out: str, lr: float, steps: int, load: str | None = None) -> dict:
+        mechmon = {"preset": "dense", "qk": {"interval": 10},
+                   "sinks": {"console": {"enabled": False}}, "actions": {"on_alarm": "log"},
+                   "optim": {"interval": 10, "sharpness": {"interval": 20, "batch_size": 0}}}
+        return {"out_dir": str(tmp_path / out), "steps": steps, "log_interval": 0,
+                "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                          "seq_length": 32},
+                "optim": {"warmup_steps": 2, "lr": lr, "min_lr": lr, "schedule": "constant"},
+                "data": {"global_batch_size": 4, "max_bytes": 200_000},
+                "checkpoint": {"save_interval": 0, "save_at_end": True, "load": load},
+                "mechmon": mechmon}
+
+    first = run(cfg("first", 1e-3, 40))
+    run(cfg("resumed", 1e-2, 44, load=first.checkpoint))
+    rows = {r["step"]: r["signals"] for r in _rows(tmp_path / "resumed")}
+    assert sorted(rows) == [41] + ([42, 43] if rows[41]["optim/sharpness/eos_ratio"] >= 2 else [])
+    before = {r["step"]: r["signals"] for r in _rows(tmp_path / "first")}[40]
+    assert rows[41]["optim/update_ratio/all"] > 5 * before["optim/update_ratio/all"]

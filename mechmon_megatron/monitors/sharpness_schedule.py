@@ -6,9 +6,10 @@
   the last estimate used. ``eos_ratio = eta lambda / threshold`` and the update-to-weight ratio
   move with ``eta`` at once (the curvature and Adam's second moment have not moved yet), so an
   LR step is measured on the step it lands instead of up to one interval later.
-- **Rechecks:** each of the ``sharpness.rechecks`` steps after an estimate whose reduced
-  ``eos_ratio`` is at or above ``sharpness.recheck_above``, so the absolute bound's k-of-n decides
-  within k steps instead of k intervals. A recheck owes none of its own.
+- **Rechecks:** each of the ``sharpness.rechecks`` steps after an LR-triggered step, and after an
+  estimate whose reduced ``eos_ratio`` is at or above ``sharpness.recheck_above``, so the rules
+  that need k samples (the absolute bound's k-of-n, robust z's persistence, CUSUM's clipped
+  increments) decide within k steps instead of k intervals. A recheck owes none of its own.
 
 An off-schedule step is decided in ``begin_step``, where the LR of the step's own update is set
 (Megatron's scheduler moves it for the next step after the update), and holds until its end.
@@ -74,9 +75,11 @@ class SharpnessSchedule:
 
     def started(self, step: int) -> None:
         """An estimate runs at ``step`` (whether or not every rank is ready for it)."""
-        self.off(step)
+        off = self.off(step)
         self._last_step, self._last_was_recheck = step, self.rechecks > 0
         self.rechecks = max(self.rechecks - 1, 0)
+        if off and not self._last_was_recheck:  # the LR trigger
+            self.rechecks = int(self.config.rechecks)
         self.estimate_lr = self._begun[2]
 
     def observe(self, step: int, table: Mapping[str, float]) -> None:

@@ -12,9 +12,7 @@ group such as ``embedding``) over the window ``W0 -> W1``::
 ``update_ratio.window``: ``step`` (default) compares the weights before and after the optimizer
 step of a monitored step (a transient copy taken in ``begin_step``, freed at ``end_step``);
 ``interval`` compares with the previous monitored step (a persistent snapshot, kept in the
-monitor state). Each rank adds the squares of the elements it owns (one owner per distinct
-element) and scales the sums by the number of ranks holding the key, so the one SUM reduction's
-mean is the exact total; the ratios are derived from the reduced table.
+monitor state). The sums and ratios: :mod:`mechmon_megatron.monitors.update_ratio`.
 
 =====================================  ===========================================================
 ``optim/update_sq/<key>``              ``|W1 - W0|_F^2`` of the key (all shards)
@@ -34,13 +32,12 @@ mean is the exact total; the ratios are derived from the reduced table.
 Sharpness runs when the integration gave a
 :class:`~mechmon_megatron.monitors.curvature_probe.CurvatureProbe`
 (:mod:`mechmon_megatron.monitors.sharpness`): every ``sharpness.interval`` steps (a multiple of
-``interval``). Off both schedules, on a rise of the LR and to recheck an estimate at the bound,
-the monitor computes both (:mod:`mechmon_megatron.monitors.sharpness_schedule`).
+``interval``). Off both schedules, on a rise of the LR and to recheck, the monitor computes
+both (:mod:`mechmon_megatron.monitors.sharpness_schedule`).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +50,7 @@ from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
 from mechmon_megatron.monitors.sharpness import SharpnessEstimator
 from mechmon_megatron.monitors.sharpness_schedule import SharpnessSchedule
+from mechmon_megatron.monitors.update_ratio import derive_ratios, owned_sums
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
            "SHARPNESS_SIGNALS"]
@@ -205,17 +203,7 @@ class OptimMonitor:
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
         """Ratios from the reduced squared norms: per layer key, per group, whole model."""
-        sums: dict[str, list[float]] = {}
-        out: dict[str, float] = {}
-        for key in self.holders:
-            upd = table.get(f"optim/update_sq/{key}", math.nan)
-            ref = table.get(f"optim/weight_sq/{key}", math.nan)
-            for total in {key, key.split("/")[0], "all"}:
-                acc = sums.setdefault(total, [0.0, 0.0])
-                acc[0] += upd
-                acc[1] += ref
-        out.update({f"optim/update_ratio/{k}": _ratio(u, r) for k, (u, r) in sums.items()})
-        return out
+        return derive_ratios(self.holders, table)
 
     def schedule(self, step: int, table: Mapping[str, float]) -> None:
         """The reduced table of a monitored step (the same on every rank): owe the sharpness
@@ -293,29 +281,8 @@ class OptimMonitor:
             self.snapshot = None
         if before is None or [t.shape for t in before] != [t.shape for t in current]:
             return self._void()  # the other holders' parts alone would be a partial sum
-        index = {key: i for i, key in enumerate(self.holders)}
-        device = current[0].device if current else torch.device("cpu")
-        sums_K2 = torch.zeros(len(index), 2, dtype=torch.float64, device=device)
-        rows, parts = [], []
-        for p, key, w0, w1 in zip(self.source.params, self.keys, before, current, strict=True):
-            if p.owned:
-                rows.append(index[key])
-                w0 = w0.to(w1.device)
-                parts.append(torch.stack([(w1 - w0).double().pow(2).sum(),
-                                          w0.double().pow(2).sum()]).to(device))
-        if parts:
-            sums_K2.index_add_(0, torch.tensor(rows, device=device), torch.stack(parts))
-        values = sums_K2.reshape(-1).tolist()  # the one device-to-host transfer of the step
+        out, finite = owned_sums(self.source.params, self.keys, self.holders, before, current)
         mine = set(self.keys)
-        out: dict[str, float] = {}
-        finite = 0
-        for key, i in index.items():
-            upd, ref = values[2 * i], values[2 * i + 1]
-            if key in mine:
-                scale = float(self.holders[key])
-                out[f"optim/update_sq/{key}"] = upd * scale
-                out[f"optim/weight_sq/{key}"] = ref * scale
-                finite += int(math.isfinite(upd) and math.isfinite(ref))
         self._observed, self._skipped = finite, len(mine) - finite
         return out
 
@@ -326,11 +293,3 @@ class OptimMonitor:
             self._warned.add(key)
             warnings.warn(f"mechmon optim: {where} failed: {exc!r}", RuntimeWarning, stacklevel=3)
 
-
-def _ratio(upd: float, ref: float) -> float:
-    """``sqrt(upd / ref)``; NaN when not observed, +inf when non-finite or ``ref = 0``."""
-    if math.isnan(upd) or math.isnan(ref):
-        return math.nan
-    if not (math.isfinite(upd) and math.isfinite(ref)) or ref <= 0.0:
-        return math.inf if upd > 0 or not math.isfinite(upd) else math.nan
-    return math.sqrt(upd / ref)

@@ -333,6 +333,15 @@ class DetectorsConfig:
                 require(pattern.startswith(key + "/"), f"{key}.alarm_above", pattern,
                         f"patterns starting with '{key}/'")
 
+    def family_start(self, family: str) -> int:
+        """First step a family's detectors judge: ``start_step + start_delay``."""
+        return self.start_step + (self.families()[family].start_delay or 0)
+
+    @property
+    def optim_start(self) -> int:
+        """:meth:`family_start` of ``optim``."""
+        return self.family_start("optim")
+
     def families(self) -> dict[str, FamilyDetectorConfig]:
         """``{family: config}`` keyed by signal family name (attn, router, optim, global)."""
         return {"attn": self.attn, "router": self.router,

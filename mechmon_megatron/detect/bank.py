@@ -175,7 +175,7 @@ class DetectorBank:
         config, warmup = fam.baseline or self.config.baseline, self.config.warmup_samples
         baseline = (PackBaseline(config, warmup, direction) if name in self.peers
                     else Baseline(config, warmup))
-        channel = SignalChannel(name, family, self.config.start_step + (fam.start_delay or 0),
+        channel = SignalChannel(name, family, self.config.family_start(family),
                                 baseline, direction, fam.robust_z.threshold)
         if fam.robust_z.enabled:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))

@@ -114,7 +114,8 @@ def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> lis
                           "the optim monitor does nothing", RuntimeWarning, stacklevel=2)
         else:
             source = deepspeed_optim_source(engine, batch, config.optim.sharpness.enabled)
-            monitors.append(OptimMonitor(config.optim, source, optim_holders(source)))
+            monitors.append(OptimMonitor(config.optim, source, optim_holders(source),
+                                         judged_from=config.detectors.optim_start))
     return monitors
 
 

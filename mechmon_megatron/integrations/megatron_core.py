@@ -129,7 +129,8 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
                           "the distributed optimizer) and one model chunk without pipeline "
                           "parallelism; reporting update ratios only", RuntimeWarning,
                           stacklevel=2)
-        monitors.append(OptimMonitor(config.optim, source, optim_holders(source)))
+        monitors.append(OptimMonitor(config.optim, source, optim_holders(source),
+                                     judged_from=config.detectors.optim_start))
     return monitors
 
 

@@ -115,11 +115,15 @@ class OptimMonitor:
         source: this rank's :class:`OptimSource`.
         holders: ``{key: number of ranks holding it}`` over the whole model (every rank the
             same; from :func:`optim_holders`).
+        judged_from: the step from which detectors judge this family
+            (``DetectorsConfig.optim_start``): no step off the schedule before it (the LR
+            warm-up's rises and Adam's young second moment would only buy unjudged estimates).
     """
 
     family = "optim"
 
-    def __init__(self, config: Any, source: OptimSource, holders: Mapping[str, int]) -> None:
+    def __init__(self, config: Any, source: OptimSource, holders: Mapping[str, int],
+                 judged_from: int = 0) -> None:
         self.config, self.source = config, source
         self.interval = int(config.interval)
         self.holders = dict(sorted(holders.items()))
@@ -127,7 +131,8 @@ class OptimMonitor:
         self.estimator = (SharpnessEstimator(config.sharpness, source.probe)
                           if config.sharpness.enabled and source.probe is not None else None)
         self.sharp = SharpnessSchedule(config.sharpness,
-                                       source.probe.lr if source.probe is not None else None)
+                                       source.probe.lr if source.probe is not None else None,
+                                       start=max(int(judged_from), int(config.warmup_steps)))
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = -1
         self.errors = 0

@@ -37,10 +37,11 @@ class SharpnessSchedule:
         config: ``SharpnessConfig`` (interval, lr_trigger, recheck_above, rechecks).
         lr: ``() -> the schedule's LR of this step`` (host float, the same on every rank), or
             None: no LR trigger.
+        start: no step is off the schedule before this one (where the detectors start judging).
     """
 
-    def __init__(self, config: Any, lr: Callable[[], float] | None) -> None:
-        self.config, self.read_lr = config, lr
+    def __init__(self, config: Any, lr: Callable[[], float] | None, start: int = 0) -> None:
+        self.config, self.read_lr, self.start = config, lr, int(start)
         self.estimate_lr: float | None = None
         """The LR of the last estimate (None: none yet; the LR trigger waits for one)."""
         self.rechecks = 0
@@ -58,7 +59,7 @@ class SharpnessSchedule:
         lr = self.lr()
         trigger = float(self.config.lr_trigger)
         raised = trigger > 0 and self.estimate_lr is not None and lr >= trigger * self.estimate_lr
-        self._begun = (step, self.rechecks > 0 or raised, lr)
+        self._begun = (step, step >= self.start and (self.rechecks > 0 or raised), lr)
 
     def off(self, step: int) -> bool:
         """``step`` is off the schedule: a recheck is owed, or its LR rose ``lr_trigger``-fold
@@ -86,6 +87,8 @@ class SharpnessSchedule:
         """Owe the rechecks after an estimate at or above ``recheck_above`` (reduced table)."""
         above = float(self.config.recheck_above)
         value = table.get(EOS_RATIO, math.nan)
+        if step < self.start:
+            return
         if step == self._last_step and not self._last_was_recheck and 0 < above <= value:
             self.rechecks = int(self.config.rechecks)
 

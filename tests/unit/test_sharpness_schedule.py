@@ -156,3 +156,17 @@ def test_the_decision_of_begin_holds_when_the_scheduler_moves_the_lr_before_the_
         schedule.started(step)
     schedule.begin(54)
     assert not schedule.due(54, False)
+
+
+def test_nothing_is_off_the_schedule_before_the_detectors_judge():
+    lr = _LR(1e-3)
+    schedule = SharpnessSchedule(_schedule(lr).config, lr, start=120)
+    warmup = {s: 1e-3 * s / 50 for s in range(51, 201)}  # the LR still warming up
+    # No recheck of 50 or 100 (before 120); at 150 the LR is 1.5x 100's: rechecked.
+    assert _run(schedule, lr, range(1, 161), warmup, {50: 9.0, 100: 9.0}) == [
+        50, 100, 150, 151, 152]
+
+
+def test_the_optim_family_start_is_the_start_step_plus_its_delay():
+    det = load_config({"detectors": {"start_step": 200, "optim": {"start_delay": 20}}}).detectors
+    assert det.optim_start == 220 and det.family_start("attn") == 200

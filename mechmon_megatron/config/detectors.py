@@ -134,6 +134,11 @@ class FamilyDetectorConfig:
     """Positive signals (patterns) judged against their peers: each sample's log-ratio to the
     median of the same signal over the other layers at that step, judged from the pack (a fault
     is local, a schedule moves every layer; detect/peers.py)."""
+    log_signals: list[str] = field(default_factory=list)
+    """Positive signals (patterns) judged on a log scale: the baseline and its rules see
+    ``log(max(x, 1e-6))`` and the baseline's relative scale floor becomes an absolute one
+    in log units (``d log x = dx / x``). A collapse toward zero (an entropy) is multiplicative:
+    on the linear scale it can never leave a spread-out baseline by more than level / scale."""
     baseline: BaselineConfig | None = None
     """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
     defaults); null: use ``detectors.baseline``."""
@@ -181,6 +186,11 @@ def _router_family() -> FamilyDetectorConfig:
         ],
         direction="up",
         directions={"router/entropy_mean/*": "down"},
+        # A collapsing router drives its mean entropy toward 0: judged as log entropy, so the
+        # collapse reads as the many-fold drop it is (1.03 -> 0.03 nats is -3.6 in log; on the
+        # linear scale, 3.9 warm-up scales at most, under CUSUM's drift once the kind's
+        # autocorrelation is credited).
+        log_signals=["router/entropy_mean/*"],
         # Experts specialise and routing sharpens slowly in healthy training: the baseline
         # follows unsuspicious samples; its scale is floored at 2% of the level.
         baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.02),
@@ -329,9 +339,10 @@ class DetectorsConfig:
                     pattern,
                     f"a pattern starting with '{key}/'",
                 )
-            for pattern in fam.alarm_above:
-                require(pattern.startswith(key + "/"), f"{key}.alarm_above", pattern,
-                        f"patterns starting with '{key}/'")
+            for name in ("alarm_above", "log_signals"):
+                for pattern in getattr(fam, name):
+                    require(pattern.startswith(key + "/"), f"{key}.{name}", pattern,
+                            f"patterns starting with '{key}/'")
 
     def family_start(self, family: str) -> int:
         """First step a family's detectors judge: ``start_step + start_delay``."""

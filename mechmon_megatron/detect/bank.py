@@ -12,7 +12,8 @@ Patterns: ``*`` matches within one path component, ``**`` across components, ``?
 (``attn/delta2/entropy/layer_*/min`` matches ``.../layer_12/min`` but not ``.../layer_12/head_3``).
 
 Per signal, a :class:`~mechmon_megatron.detect.channel.SignalChannel` feeds each sample to the
-detectors, then to the baseline (detect/channel.py). Whenever a baseline forms, the
+detectors, then to the baseline (detect/channel.py); a ``log_signals`` sample reaches them as
+``log(max(x, 1e-6))`` (absolute bounds still judge ``x``). Whenever a baseline forms, the
 long-run-variance factor of its kind (the same name in every layer) is pooled anew from the
 kind's formed baselines (detect/budget.py) and given to each of them.
 """
@@ -47,7 +48,7 @@ from mechmon_megatron.detect.detectors import (
 )
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 
-__all__ = ["DetectorBank", "compile_pattern"]
+__all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 
 LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
 
@@ -68,6 +69,15 @@ def _warn_unmatched(family: str, fam: Any, names: list[str]) -> None:
                 warnings.warn(f"mechmon: detectors.{family}.{key} pattern {pattern!r} matches no "
                               f"signal of this model ({len(own)} {family}/ signals, e.g. "
                               f"{own[0]!r}); it watches nothing", RuntimeWarning, stacklevel=4)
+
+
+LOG_FLOOR = 1e-6
+"""Smallest value a ``log_signals`` sample is taken at (an entropy of 0 reads as log 1e-6)."""
+
+
+def log_scale(x: float) -> float:
+    """``log(max(x, LOG_FLOOR))`` of a finite sample; NaN and +-inf pass unchanged."""
+    return math.log(max(x, LOG_FLOOR)) if math.isfinite(x) else x
 
 
 def compile_pattern(pattern: str) -> re.Pattern:
@@ -126,6 +136,8 @@ class DetectorBank:
                         if name.startswith(family + "/") and any(p.match(name) for p in patterns)]
             _warn_unmatched(family, fam, names)
         self.thresholds: dict[str, dict[str, float]] = {}
+        self.logs: set[str] = set()
+        """Signals judged on a log scale (``log_signals``)."""
         self.peers = PeerGroups(name for name, _, fam in watched
                                 if any(compile_pattern(p).match(name) for p in fam.peer_signals))
         for name, family, fam in watched:
@@ -173,6 +185,10 @@ class DetectorBank:
             fam.direction,
         )
         config, warmup = fam.baseline or self.config.baseline, self.config.warmup_samples
+        if any(compile_pattern(p).match(name) for p in fam.log_signals):
+            self.logs.add(name)
+            config = dataclasses.replace(config, min_rel_scale=0.0, min_abs_scale=max(
+                config.min_abs_scale, config.min_rel_scale))
         baseline = (PackBaseline(config, warmup, direction) if name in self.peers
                     else Baseline(config, warmup))
         channel = SignalChannel(name, family, self.config.family_start(family),
@@ -218,7 +234,8 @@ class DetectorBank:
         for name, channel in self.channels.items():
             if name in signals:
                 raw = float(signals[name])
-                findings.extend(channel.update(step, float(relative.get(name, raw)), raw))
+                value = log_scale(raw) if name in self.logs else float(relative.get(name, raw))
+                findings.extend(channel.update(step, value, raw))
         findings = [locate(f, signals) for f in findings]
         self.alarming.extend(f for f in findings if f.alarm)
         self._pool_long_run()

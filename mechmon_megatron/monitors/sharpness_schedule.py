@@ -22,6 +22,7 @@ resumed with a raised LR is measured on its first step.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,10 +50,21 @@ class SharpnessSchedule:
         self._last_step = -1
         self._last_was_recheck = False
         self._begun: tuple[int, bool, float] = (-1, False, math.nan)
+        self._warned = False
 
     def lr(self) -> float:
-        """The schedule's LR now (NaN without a reader: never triggers)."""
-        return math.nan if self.read_lr is None else float(self.read_lr())
+        """The schedule's LR now; NaN without a reader or when the read fails (never triggers:
+        a monitor must not stop training; the read is a dict lookup, the same on every rank)."""
+        if self.read_lr is None:
+            return math.nan
+        try:
+            return float(self.read_lr())
+        except Exception as exc:  # noqa: BLE001
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"mechmon optim.sharpness: reading the LR failed ({exc!r}); no "
+                              "LR-triggered estimates", RuntimeWarning, stacklevel=2)
+            return math.nan
 
     def begin(self, step: int) -> None:
         """Decide at the start of ``step`` whether it is off the schedule (:meth:`off`)."""

@@ -170,3 +170,15 @@ def test_nothing_is_off_the_schedule_before_the_detectors_judge():
 def test_the_optim_family_start_is_the_start_step_plus_its_delay():
     det = load_config({"detectors": {"start_step": 200, "optim": {"start_delay": 20}}}).detectors
     assert det.optim_start == 220 and det.family_start("attn") == 200
+
+
+def test_a_failing_lr_read_never_triggers_and_warns_once():
+    def broken() -> float:
+        raise KeyError("lr")
+
+    schedule = _schedule(None)
+    schedule.read_lr = broken
+    schedule.estimate_lr = 1e-3
+    with pytest.warns(RuntimeWarning, match="reading the LR failed"):
+        assert not schedule.due(51, False)
+    assert not schedule.due(52, False)

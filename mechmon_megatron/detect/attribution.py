@@ -10,6 +10,7 @@ The family whose findings have the earliest onset names the fault:
 | optim        | lr              | learning-rate / optimizer instability (sharpness, updates) |
 | global       | global          | loss / grad-norm anomaly with no mechanism signal first    |
 | two or more  | compound        | first onsets within ``compound_window`` steps of each other |
+|              |                 | (mechanisms only: ``global`` beside a mechanism is its symptom) |
 
 Ties on the onset step count as "within the window" (window 0 = the same onset step). Layer and
 head numbers are parsed from the signal names (``.../layer_<L>[/head_<H>]``).
@@ -166,7 +167,9 @@ def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis
         first_onset.setdefault(family(f), f.onset_step)
     families = sorted(first_onset, key=lambda fam: (first_onset[fam], _FAMILY_ORDER.index(fam)))
     first = families[0]
-    close = [fam for fam in families if first_onset[fam] - first_onset[first] <= compound_window]
+    # ``global`` is a symptom: with a mechanism at the same onset it names no second fault.
+    close = [fam for fam in families if first_onset[fam] - first_onset[first] <= compound_window
+             and (fam != "global" or fam == first)]
     if len(close) > 1:
         fault = "compound"
         description = "compound: " + " + ".join(FAULT_CLASSES[fam] for fam in close)

@@ -126,6 +126,16 @@ def test_two_families_at_the_same_onset_are_compound_naming_both():
     assert d.description == "compound: attention + router_collapse"
 
 
+def test_the_loss_or_grad_norm_at_a_mechanisms_onset_is_its_symptom_not_a_compound():
+    grad = "global/grad_norm"
+    d = diagnose([_finding(grad, 3100, score=36.0), _finding(ROUTER, 3100)])
+    assert (d.fault_class, d.first_family) == ("router_collapse", "router")
+    assert d.families == ["router", "global"]  # still listed as evidence
+    wide = diagnose([_finding(ROUTER, 300), _finding(grad, 350)], compound_window=100)
+    assert wide.fault_class == "router_collapse"
+    assert diagnose([_finding(grad, 200), _finding(ROUTER, 300)]).fault_class == "global"
+
+
 def test_compound_window_widens_what_counts_as_together():
     findings = [_finding(ATTN, 300), _finding(ROUTER, 500), _finding(LOSS, 2000)]
     assert diagnose(findings).fault_class == "attention"

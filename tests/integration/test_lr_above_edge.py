@@ -10,21 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._campaigns import lr_campaign
+
 pytest.importorskip("megatron.core")
 
 STEPS = 100
-CAMPAIGN = {
-    "name": "lr_start_test",
-    "steps": STEPS,
-    "seeds": [1234],
-    "monitor": {"interval": 10, "sharpness_interval": 10},
-    "models": {"dense": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                         "seq_length": 64}},
-    "optim": {"lr": 2.0e-3, "min_lr": 2.0e-3, "warmup_steps": 20, "schedule": "constant"},
-    "data": {"global_batch_size": 16, "max_bytes": 2_000_000},
-    "faults": [{"name": "lr_start", "class": "lr", "model": "dense", "onset": 1,
-                "lr": {"factor": 30.0, "ramp_steps": 0}}],
-}
+CAMPAIGN = lr_campaign("lr_start", STEPS, 10, 1)
 
 
 def test_a_run_started_above_the_edge_alarms_on_the_absolute_bound(tmp_path: Path):

@@ -12,21 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests._campaigns import lr_campaign
+
 pytest.importorskip("megatron.core")
 
 STEPS, ONSET = 64, 43
-CAMPAIGN = {
-    "name": "lr_trigger_test",
-    "steps": STEPS,
-    "seeds": [1234],
-    "monitor": {"interval": 10, "sharpness_interval": 30},
-    "models": {"dense": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                         "seq_length": 64}},
-    "optim": {"lr": 2.0e-3, "min_lr": 2.0e-3, "warmup_steps": 20, "schedule": "constant"},
-    "data": {"global_batch_size": 16, "max_bytes": 2_000_000},
-    "faults": [{"name": "lr_step", "class": "lr", "model": "dense", "onset": ONSET,
-                "lr": {"factor": 30.0, "ramp_steps": 0}}],
-}
+CAMPAIGN = lr_campaign("lr_step", STEPS, 30, ONSET)
 
 
 def _rows(out: Path) -> list[dict]:

@@ -6,10 +6,12 @@
   the last estimate used. ``eos_ratio = eta lambda / threshold`` and the update-to-weight ratio
   move with ``eta`` at once (the curvature and Adam's second moment have not moved yet), so an
   LR step is measured on the step it lands instead of up to one interval later.
-- **Rechecks:** each of the ``sharpness.rechecks`` steps after an LR-triggered step, and after an
-  estimate whose reduced ``eos_ratio`` is at or above ``sharpness.recheck_above``, so the rules
-  that need k samples (the absolute bound's k-of-n, robust z's persistence, CUSUM's clipped
-  increments) decide within k steps instead of k intervals. A recheck owes none of its own.
+- **Rechecks:** each of the ``sharpness.rechecks`` steps after an LR-triggered step (and, when
+  ``sharpness.recheck_above`` is set, after an estimate whose reduced ``eos_ratio`` is at or
+  above it; off by default: a recheck one step later is not an independent sample), so the
+  rules that need k samples (the absolute bound's k-of-n, robust z's persistence, CUSUM's
+  clipped increments) decide within k steps of an LR rise instead of k intervals. A recheck
+  owes none of its own.
 
 An off-schedule step is decided in ``begin_step``, where the LR of the step's own update is set
 (Megatron's scheduler moves it for the next step after the update), and holds until its end.

@@ -75,28 +75,32 @@ def test_a_lower_learning_rate_never_triggers():
 
 
 @pytest.mark.parametrize("value", [2.0, 7.5, math.inf])
-def test_an_estimate_at_the_bound_is_rechecked_on_the_next_steps(value):
+def test_an_estimate_at_the_bound_is_rechecked_on_the_next_steps_when_asked(value):
     lr = _LR(1e-3)
-    assert _run(_schedule(lr), lr, range(1, 101), {}, {50: value, 51: value}) == [
+    assert _run(_schedule(lr), lr, range(1, 101), {}, {50: value}) == [50, 100]  # default off
+    ratios = {50: value, 51: value}
+    assert _run(_schedule(lr, recheck_above=2.0), lr, range(1, 101), {}, ratios) == [
         50, 51, 52, 100]  # the rechecks owe none of their own
 
 
 @pytest.mark.parametrize("value", [1.99, math.nan])
 def test_an_estimate_below_the_bound_or_void_owes_no_recheck(value):
     lr = _LR(1e-3)
-    assert _run(_schedule(lr), lr, range(1, 101), {}, {50: value}) == [50, 100]
+    assert _run(_schedule(lr, recheck_above=2.0), lr, range(1, 101), {}, {50: value}) == [
+        50, 100]
 
 
 def test_rechecks_follow_the_config():
     lr = _LR(1e-3)
-    assert _run(_schedule(lr, rechecks=1), lr, range(1, 60), {}, {50: 3.0}) == [50, 51]
+    assert _run(_schedule(lr, rechecks=1, recheck_above=2.0), lr, range(1, 60), {},
+                {50: 3.0}) == [50, 51]
     lr = _LR(1e-3)
     assert _run(_schedule(lr, recheck_above=0), lr, range(1, 60), {}, {50: 3.0}) == [50]
 
 
 def test_the_schedule_state_survives_a_checkpoint_and_a_resume_with_a_raised_lr():
     lr = _LR(1e-3)
-    first = _schedule(lr)
+    first = _schedule(lr, recheck_above=2.0)
     _run(first, lr, range(1, 51), {}, {50: 3.0})
     state = first.state_dict()
     assert state == {"estimate_lr": 1e-3, "rechecks": 2}
@@ -160,7 +164,7 @@ def test_the_decision_of_begin_holds_when_the_scheduler_moves_the_lr_before_the_
 
 def test_nothing_is_off_the_schedule_before_the_detectors_judge():
     lr = _LR(1e-3)
-    schedule = SharpnessSchedule(_schedule(lr).config, lr, start=120)
+    schedule = SharpnessSchedule(_schedule(lr, recheck_above=2.0).config, lr, start=120)
     warmup = {s: 1e-3 * s / 50 for s in range(51, 201)}  # the LR still warming up
     # No recheck of 50 or 100 (before 120); at 150 the LR is 1.5x 100's: rechecked.
     assert _run(schedule, lr, range(1, 161), warmup, {50: 9.0, 100: 9.0}) == [

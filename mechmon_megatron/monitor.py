@@ -269,14 +269,16 @@ class MechMon(StateMixin, CoverageMixin):
         return out
 
     def _schedule_from(self, step: int, table: Mapping[str, float]) -> None:
-        """Hand the reduced table to monitors whose schedule follows it (``schedule``)."""
+        """Hand the reduced table to monitors whose schedule follows it (``schedule``). Not
+        caught: a rank whose schedule failed would take other steps than its peers, so it is
+        raised as :class:`MonitorProtocolError` before any of them."""
         for monitor in self.monitors:
             schedule = getattr(monitor, "schedule", None)
             if schedule is not None:
                 try:
                     schedule(step, table)
-                except Exception as exc:  # noqa: BLE001
-                    self._error(f"{monitor.family}.schedule", exc)
+                except Exception as exc:
+                    self._escaped(f"{monitor.family}.schedule", step, exc)
 
     def _detect(self, step: int, table: Mapping[str, float]) -> tuple[list[Any], Any | None]:
         try:

@@ -162,8 +162,7 @@ class OptimMonitor:
         return step % self.interval == 0 and step >= int(self.config.warmup_steps)
 
     def _off(self, step: int) -> bool:
-        return (self.estimator is not None and step >= int(self.config.warmup_steps)
-                and self.sharp.off(step))
+        return self.estimator is not None and self.sharp.off(step)  # sharp.start >= warm-up
 
     def _ratios_due(self, step: int) -> bool:
         """Update ratios: interval steps, and off-schedule steps of the ``step`` window (the
@@ -212,7 +211,7 @@ class OptimMonitor:
 
     def schedule(self, step: int, table: Mapping[str, float]) -> None:
         """The reduced table of a monitored step (the same on every rank): owe the sharpness
-        rechecks of an estimate at the bound."""
+        rechecks of an estimate at or above ``sharpness.recheck_above`` (when set)."""
         self.sharp.observe(step, table)
 
     def coverage(self) -> dict[str, int]:

@@ -48,7 +48,8 @@ class SharpnessSchedule:
         self.estimate_lr: float | None = None
         """The LR of the last estimate (None: none yet; the LR trigger waits for one)."""
         self.rechecks = 0
-        """Estimates still owed to the last one at or above ``recheck_above``."""
+        """Rechecks still owed (to the last LR-triggered step, or estimate at or above
+        ``recheck_above``)."""
         self._last_step = -1
         self._last_was_recheck = False
         self._begun: tuple[int, bool, float] = (-1, False, math.nan)

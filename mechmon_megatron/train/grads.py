@@ -16,7 +16,8 @@ reductions itself, in a fixed order on every rank:
    the loss is a mean over all DP ranks, hence 1/DP, not 1/expert-DP (as megatron's DDP).
 
 Then :func:`grad_norm` gives the global gradient norm the trainer clips by, the same on every
-rank.
+rank, and :func:`update_expert_bias` does the aux-loss-free balancing step megatron-core's
+``finalize_model_grads`` does for routers with an expert bias.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 from mechmon_megatron import comm
 
-__all__ = ["sync_grads", "grad_norm"]
+__all__ = ["sync_grads", "grad_norm", "update_expert_bias"]
 
 
 def _flat_reduce(
@@ -90,3 +91,22 @@ def grad_norm(model: torch.nn.Module) -> float:
         if owned:
             sq += p.grad.double().pow(2).sum()
     return math.sqrt(comm.all_reduce_sum(sq).item())
+
+
+def update_expert_bias(model: torch.nn.Module) -> None:
+    """Aux-loss-free load balancing (arXiv 2408.15664), as megatron-core after the grad sync:
+    ``b_e += rate * sign(mean_e' n_e' - n_e)``, ``n`` the step's tokens per expert summed over
+    the TP x DP (x CP) group (``get_updated_expert_bias``); the counts then restart from zero.
+    Routers without an expert bias are left alone; shapes ``[layers, experts]``."""
+    routers = [m for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    if not routers:
+        return
+    from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+
+    rate = float(routers[0].config.moe_router_bias_update_rate)
+    counts_LE = torch.stack([m.local_tokens_per_expert for m in routers])
+    bias_LE = torch.stack([m.expert_bias for m in routers])
+    updated_LE = get_updated_expert_bias(counts_LE, bias_LE, rate)
+    for module, bias_E in zip(routers, updated_LE, strict=True):
+        module.expert_bias.copy_(bias_E)
+        module.local_tokens_per_expert.zero_()

@@ -8,6 +8,7 @@ tests. Each step, on every rank, in this order::
     mon.begin_step(step)
     loss = mean token loss of this rank's slice; loss.backward()
     sync_grads(model)                                     TP (sequence-parallel), DP, expert-DP
+    update_expert_bias(model)                             aux-loss-free routers, as megatron-core
     norm = global grad norm; grads *= min(1, clip / norm) (identical on every rank)
     optimizer.step()                                      Adam, param groups from faults
     loss = mean over DP                                   (TP ranks hold the same loss)
@@ -195,7 +196,7 @@ class _Trainer(CheckpointState):
     # Loop ---------------------------------------------------------------------------------------
 
     def _train_step(self, step: int) -> tuple[float, float, Any]:
-        from mechmon_megatron.train.grads import grad_norm, sync_grads
+        from mechmon_megatron.train.grads import grad_norm, sync_grads, update_expert_bias
 
         factor = lr_factor(self.cfg.optim, self.cfg.steps, step)
         for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
@@ -209,6 +210,7 @@ class _Trainer(CheckpointState):
         self.optimizer.zero_grad(set_to_none=False)
         loss = self._forward_backward(tokens_BS, labels_BS)
         sync_grads(self.model)
+        update_expert_bias(self.model)
         norm = grad_norm(self.model)
         clip = self.cfg.optim.clip_grad
         if clip > 0 and math.isfinite(norm) and norm > clip:

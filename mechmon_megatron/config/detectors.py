@@ -139,6 +139,9 @@ class FamilyDetectorConfig:
     ``log(max(x, 1e-6))`` and the baseline's relative scale floor becomes an absolute one
     in log units (``d log x = dx / x``). A collapse toward zero (an entropy) is multiplicative:
     on the linear scale it can never leave a spread-out baseline by more than level / scale."""
+    bound_only: list[str] = field(default_factory=list)
+    """Signals (patterns) judged by their absolute bound alone: no baseline rules, and not
+    counted in the false-alarm budget (it prices the baseline rules; a bound is absolute)."""
     baseline: BaselineConfig | None = None
     """Override of ``detectors.baseline`` for this family (unset keys take BaselineConfig's
     defaults); null: use ``detectors.baseline``."""
@@ -199,14 +202,20 @@ def _router_family() -> FamilyDetectorConfig:
 
 def _optim_family() -> FamilyDetectorConfig:
     return FamilyDetectorConfig(
-        signals=["optim/sharpness/eos_ratio", "optim/update_ratio/*"],
+        signals=["optim/sharpness/eos_ratio", "optim/sharpness/eos_ratio_lr_rise",
+                 "optim/update_ratio/*"],
         direction="up",
         # Twice Adam's edge of stability on two of three estimates. The edge itself (ratio 1,
         # eta lambda = 38 at beta1 = 0.9) is where healthy Adam settles (Cohen et al. 2022),
         # and one micro-batch's estimate overshoots the full-batch value: healthy runs show
         # single estimates of 1-2.8. At ratio 2 the top mode's iterate grows x5.5 per step
         # (x1 at the edge), so two such estimates are an instability, not hovering.
-        signal_bounds={"optim/sharpness/eos_ratio": BoundsConfig(max=2.0, k=2, n=3)},
+        signal_bounds={"optim/sharpness/eos_ratio": BoundsConfig(max=2.0, k=2, n=3),
+                       # On an LR rise: the step's estimate and the last one carried to the
+                       # new LR (another step, another micro-batch) are the two estimates.
+                       "optim/sharpness/eos_ratio_lr_rise": BoundsConfig(max=2.0, k=1, n=1)},
+        # Sampled only on LR rises: no baseline to speak of.
+        bound_only=["optim/sharpness/eos_ratio_lr_rise"],
         # Below the edge (ratio 1) the top mode contracts: a rise there, however far from the
         # run's baseline, is progressive sharpening, not an instability (Cohen et al. 2021).
         alarm_above={"optim/sharpness/eos_ratio": 1.0},
@@ -339,7 +348,7 @@ class DetectorsConfig:
                     pattern,
                     f"a pattern starting with '{key}/'",
                 )
-            for name in ("alarm_above", "log_signals"):
+            for name in ("alarm_above", "log_signals", "bound_only"):
                 for pattern in getattr(fam, name):
                     require(pattern.startswith(key + "/"), f"{key}.{name}", pattern,
                             f"patterns starting with '{key}/'")

@@ -140,8 +140,9 @@ class DetectorBank:
         """Signals judged on a log scale (``log_signals``)."""
         self.peers = PeerGroups(name for name, _, fam in watched
                                 if any(compile_pattern(p).match(name) for p in fam.peer_signals))
+        priced = sum(not _matches(name, fam.bound_only) for name, _, fam in watched)
         for name, family, fam in watched:
-            self._family_channel(name, family, self._resolved(fam, family, len(watched)))
+            self._family_channel(name, family, self._resolved(fam, family, priced))
         if config.global_.enabled and LOSS in names:
             self._channel(LOSS).detectors.append(NonFinite(LOSS, "global"))
         cmp = config.baselines
@@ -193,9 +194,10 @@ class DetectorBank:
                     else Baseline(config, warmup))
         channel = SignalChannel(name, family, self.config.family_start(family),
                                 baseline, direction, fam.robust_z.threshold)
-        if fam.robust_z.enabled:
+        rules = not _matches(name, fam.bound_only)
+        if fam.robust_z.enabled and rules:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
-        if fam.cusum.enabled:
+        if fam.cusum.enabled and rules:
             channel.detectors.append(Cusum(name, family, baseline, fam.cusum, direction))
         floor = next((v for p, v in fam.alarm_above.items() if compile_pattern(p).match(name)),
                      None)
@@ -285,3 +287,7 @@ class DetectorBank:
                 channel.load_state_dict(sd["channels"][name])
         self._pooled = {kind: sum(b.ready for b in bs) for kind, bs in self.kinds.items()}
         self.alarming = [Finding(**f) for f in sd["alarming"]]
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(compile_pattern(p).match(name) for p in patterns)

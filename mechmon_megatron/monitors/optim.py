@@ -22,6 +22,9 @@ monitor state). The sums and ratios: :mod:`mechmon_megatron.monitors.update_rati
                                        (e.g. ``norm``: the layers' norms and the final norm)
 ``optim/update_ratio/all``             whole model (derived)
 ``optim/sharpness/eos_ratio``          ``lambda_max(D^1/2 H D^1/2) / ((2 + 2 b1) / (1 - b1))``
+``optim/sharpness/eos_ratio_lr_rise``  on an LR-triggered step only: ``min(eos_ratio, carried)``,
+                                       ``carried`` the last estimate's ratio at this LR
+                                       (both estimates past a bound: one sample suffices)
 ``optim/sharpness/lambda``             ``lambda_max`` per unit of the largest group LR
 ``optim/sharpness/iters``              power-iteration products used
 ``optim/sharpness/residual``           ``|M v - lambda v| / |lambda|`` of the last iterate
@@ -38,6 +41,7 @@ both (:mod:`mechmon_megatron.monitors.sharpness_schedule`).
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,13 +53,14 @@ from mechmon_megatron import comm
 from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
 from mechmon_megatron.monitors.sharpness import SharpnessEstimator
-from mechmon_megatron.monitors.sharpness_schedule import SharpnessSchedule
+from mechmon_megatron.monitors.sharpness_schedule import EOS_RATIO, SharpnessSchedule
 from mechmon_megatron.monitors.update_ratio import derive_ratios, owned_sums
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
            "SHARPNESS_SIGNALS"]
 
-SHARPNESS_SIGNALS = ("eos_ratio", "lambda", "iters", "residual")
+SHARPNESS_SIGNALS = ("eos_ratio", "eos_ratio_lr_rise", "lambda", "iters", "residual")
+EOS_RATIO_LR_RISE = "optim/sharpness/eos_ratio_lr_rise"
 
 
 def optim_key(group: str, layer: int | None) -> str:
@@ -135,6 +140,7 @@ class OptimMonitor:
                                        start=max(int(judged_from), int(config.warmup_steps)))
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = -1
+        self._step = -1
         self.errors = 0
         self._observed = self._skipped = 0
         self._warned: set[str] = set()
@@ -184,6 +190,7 @@ class OptimMonitor:
 
     def end_step(self, step: int) -> dict[str, float]:
         """Update ratios and, every ``sharpness.interval`` steps, the sharpness."""
+        self._step = step
         if not self.due(step):
             return {}
         out: dict[str, float] = {}
@@ -206,8 +213,14 @@ class OptimMonitor:
         return out
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
-        """Ratios from the reduced squared norms: per layer key, per group, whole model."""
-        return derive_ratios(self.holders, table)
+        """Ratios from the reduced squared norms (per layer key, per group, whole model) and,
+        on an LR-triggered step, ``min(eos_ratio, carried)`` (NaN when either is missing)."""
+        out = derive_ratios(self.holders, table)
+        carried = self.sharp.carried_at(self._step)
+        if carried is not None:
+            eos = table.get(EOS_RATIO, math.nan)
+            out[EOS_RATIO_LR_RISE] = math.nan if math.isnan(eos) else min(eos, carried)
+        return out
 
     def schedule(self, step: int, table: Mapping[str, float]) -> None:
         """The reduced table of a monitored step (the same on every rank): owe the sharpness

@@ -12,6 +12,12 @@
   rules that need k samples (the absolute bound's k-of-n, robust z's persistence, CUSUM's
   clipped increments) decide within k steps of an LR rise instead of k intervals. A recheck
   owes none of its own.
+- **Carried estimate:** on an LR-triggered step, the last estimate's ratio carried to the new
+  LR, ``r_last * eta_now / eta_last`` (:attr:`SharpnessSchedule.carried`). The curvature and
+  Adam's second moment move slowly against the step (the premise of the trigger), so this is a
+  second estimate of the step's ratio from another step and micro-batch: where both it and the
+  step's own estimate are past the bound, the detectors need not wait for a recheck
+  (``optim/sharpness/eos_ratio_lr_rise``, :mod:`mechmon_megatron.monitors.optim`).
 
 An off-schedule step is decided in ``begin_step``, where the LR of the step's own update is set
 (Megatron's scheduler moves it for the next step after the update), and holds until its end.
@@ -50,6 +56,11 @@ class SharpnessSchedule:
         self.rechecks = 0
         """Rechecks still owed (to the last LR-triggered step, or estimate at or above
         ``recheck_above``)."""
+        self.judged: tuple[float, float] | None = None
+        """``(eos_ratio, LR)`` of the last finite estimate at or after ``start`` (reduced)."""
+        self.carried: tuple[int, float] | None = None
+        """``(step, r_last * eta_now / eta_last)`` of the last LR-triggered step that had a
+        judged estimate before it."""
         self._last_step = -1
         self._last_was_recheck = False
         self._begun: tuple[int, bool, float] = (-1, False, math.nan)
@@ -96,23 +107,36 @@ class SharpnessSchedule:
         self.rechecks = max(self.rechecks - 1, 0)
         if off and not self._last_was_recheck:  # the LR trigger
             self.rechecks = int(self.config.rechecks)
+            if self.judged is not None and self.judged[1] > 0:
+                self.carried = (step, self.judged[0] * self._begun[2] / self.judged[1])
         self.estimate_lr = self._begun[2]
 
+    def carried_at(self, step: int) -> float | None:
+        """The carried estimate of ``step`` (None unless ``step`` was LR-triggered after a
+        judged estimate)."""
+        return self.carried[1] if self.carried is not None and self.carried[0] == step else None
+
     def observe(self, step: int, table: Mapping[str, float]) -> None:
-        """Owe the rechecks after an estimate at or above ``recheck_above`` (reduced table)."""
+        """Keep the ratio of a judged estimate, and owe the rechecks after one at or above
+        ``recheck_above`` (reduced table)."""
         above = float(self.config.recheck_above)
         value = table.get(EOS_RATIO, math.nan)
         if step < self.start:
             return
+        if step == self._last_step and math.isfinite(value) and self.estimate_lr is not None:
+            self.judged = (float(value), self.estimate_lr)
         if step == self._last_step and not self._last_was_recheck and 0 < above <= value:
             self.rechecks = int(self.config.rechecks)
 
     def state_dict(self) -> dict[str, Any]:
-        """The LR of the last estimate and the rechecks owed."""
-        return {"estimate_lr": self.estimate_lr, "rechecks": self.rechecks}
+        """The LR and the judged ratio of the last estimate, and the rechecks owed."""
+        return {"estimate_lr": self.estimate_lr, "rechecks": self.rechecks,
+                "judged": list(self.judged) if self.judged is not None else None}
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (missing keys: no estimate yet, nothing owed)."""
         lr = sd.get("estimate_lr")
         self.estimate_lr = None if lr is None else float(lr)
         self.rechecks = int(sd.get("rechecks", 0))
+        judged = sd.get("judged")
+        self.judged = None if judged is None else (float(judged[0]), float(judged[1]))

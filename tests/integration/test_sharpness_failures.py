@@ -114,8 +114,10 @@ def runs(tmp_path_factory) -> dict[bool, list[dict]]:
 
 
 def _sharp(table: dict) -> dict[str, float]:
-    return {k: v for k, v in table.items()
-            if k.startswith("optim/sharpness/") and not k.endswith("/iters")}
+    """The estimate's signals (not its count of products, nor the LR-rise sample: no LR rise
+    here)."""
+    return {k: v for k, v in table.items() if k.startswith("optim/sharpness/")
+            and not k.endswith(("/iters", "/eos_ratio_lr_rise"))}
 
 
 def _same(a: float, b: float) -> bool:

@@ -103,12 +103,14 @@ def test_the_schedule_state_survives_a_checkpoint_and_a_resume_with_a_raised_lr(
     first = _schedule(lr, recheck_above=2.0)
     _run(first, lr, range(1, 51), {}, {50: 3.0})
     state = first.state_dict()
-    assert state == {"estimate_lr": 1e-3, "rechecks": 2}
+    assert state == {"estimate_lr": 1e-3, "rechecks": 2, "judged": [3.0, 1e-3]}
     resumed_lr = _LR(5e-3)
     resumed = _schedule(resumed_lr)
     resumed.load_state_dict(state)
     resumed.rechecks = 0
     assert resumed.due(57, False)  # the resumed run's LR is 5x the last estimate's
+    resumed.started(57)
+    assert resumed.carried_at(57) == pytest.approx(15.0)  # 3.0 carried to 5x the LR
     fresh = _schedule(resumed_lr)
     fresh.load_state_dict({})
     assert not fresh.due(57, False)
@@ -186,3 +188,40 @@ def test_a_failing_lr_read_never_triggers_and_warns_once():
     with pytest.warns(RuntimeWarning, match="reading the LR failed"):
         assert not schedule.due(51, False)
     assert not schedule.due(52, False)
+
+
+def _carried(schedule: SharpnessSchedule, lr: _LR, steps: range, lrs: dict[int, float],
+             ratios: dict[int, float]) -> dict[int, float]:
+    """``{step: carried estimate}`` of the steps that have one (see :func:`_run`)."""
+    out = {}
+    for step in steps:
+        lr.value = lrs.get(step, lr.value)
+        if schedule.due(step, step % 10 == 0):
+            schedule.started(step)
+            if schedule.carried_at(step) is not None:
+                out[step] = schedule.carried_at(step)
+            schedule.observe(step, {EOS_RATIO: ratios.get(step, 0.5)})
+    return out
+
+
+def test_an_lr_step_carries_the_last_estimate_to_the_new_lr_on_its_own_step_only():
+    lr = _LR(1e-3)
+    got = _carried(_schedule(lr), lr, range(1, 201), {73: 3e-2}, {50: 0.4})
+    assert got == {73: pytest.approx(0.4 * 30)}  # not its rechecks (74, 75), not 100
+
+
+def test_the_carried_estimate_scales_the_ratio_by_the_lr_it_was_measured_at():
+    lr = _LR(1e-3)
+    # 100's estimate failed (NaN): 73's trigger carries 50's ratio from 50's LR, and the
+    # trigger at 130 (1.5x 100's LR) carries 75's ratio (the last finite) from 75's LR.
+    got = _carried(_schedule(lr), lr, range(1, 131), {73: 2e-3, 130: 3.1e-3},
+                   {50: 0.4, 75: 0.8, 100: math.nan})
+    assert got == {73: pytest.approx(0.8), 130: pytest.approx(0.8 * 3.1 / 2)}
+
+
+def test_no_carried_estimate_without_a_judged_estimate_before_the_rise():
+    lr = _LR(1e-3)
+    schedule = SharpnessSchedule(_schedule(lr).config, lr, start=120)
+    warmup = {s: 1e-3 * s / 50 for s in range(51, 201)}
+    # 50 and 100 come before the detectors judge (120): 150's rise has nothing to carry.
+    assert _carried(schedule, lr, range(1, 161), warmup, {}) == {}

@@ -1,0 +1,53 @@
+"""The examples a user runs first stay silent when nothing is wrong: the README's DeepSpeed
+example as written (2 ranks, 200 steps), ``mechmon demo`` with its fault moved past the end, and
+``mechmon bench``'s healthy model at every interval it measures."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def test_the_readme_deepspeed_example_runs_to_the_end_without_an_alarm(tmp_path):
+    pytest.importorskip("deepspeed")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--standalone", str(ROOT / "launch" / "deepspeed_train.py"),
+           "--deepspeed_config", str(ROOT / "launch" / "deepspeed_config.json")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step 200 loss" in proc.stdout
+    out = tmp_path / "mechmon_out" / "deepspeed"
+    assert (out / "metrics.jsonl").is_file()
+    assert not list(out.rglob("alarm.json"))
+
+
+def test_the_demo_without_its_fault_raises_no_alarm(tmp_path):
+    pytest.importorskip("megatron.core")
+    cmd = [sys.executable, "-m", "mechmon_megatron", "demo", "--out", str(tmp_path / "demo"),
+           "--fault-step", "100000", "--no-progress"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    # The demo exists to show an alarm: without one it exits 1 (0 is --print-config's).
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no alarm was raised" in proc.stdout
+    assert not list((tmp_path / "demo").rglob("alarm.json"))
+
+
+def test_bench_raises_no_alarm_on_its_healthy_model_at_any_interval(tmp_path):
+    pytest.importorskip("megatron.core")
+    cmd = [sys.executable, "-m", "mechmon_megatron", "bench"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")
+            and line.split("|")[1].strip().isdigit()]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "10", "100"]
+    assert all(r.rstrip(" |").endswith("-") for r in rows), rows  # the alarm column

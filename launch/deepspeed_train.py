@@ -7,10 +7,14 @@
 attention has HF ``q_proj``/``k_proj``/``v_proj``/``o_proj`` projections (grouped-query when
 ``--kv-heads`` < ``--heads``); ``--experts N`` replaces every MLP by a DeepSpeed MoE layer
 (``TopKGate``, ``--ep-size`` expert parallelism). The ``"mechmon"`` block of the DeepSpeed config
-configures the monitors; ``--lr-spike-step S`` multiplies the learning rate by
-``--lr-spike-factor`` from step S on, a fault that should raise the alarm: every rank saves a
-checkpoint to ``--save`` with the monitor state, ``alarm.json`` is written beside it and
-the job exits with code 86. ``--load DIR`` resumes (an unacknowledged alarm exits again at once).
+configures the monitors: the QK, router and optimizer monitors every 5 steps (the sharpness
+every 25) so that a 200-step run has their baselines, the shipped detector settings otherwise;
+Adam's beta2 is 0.95 as in LLM pretraining, so the ``optim`` family judges from step 20
+(``ceil(1 / (1 - beta2))``). ``--lr-spike-step S`` multiplies the learning rate by
+``--lr-spike-factor`` from step S on, a fault that should raise the alarm, named ``lr``: every
+rank saves a checkpoint to ``--save`` with the monitor state, ``alarm.json`` is written beside
+it and the job exits with code 86. ``--load DIR`` resumes (an unacknowledged alarm exits again
+at once).
 
 Data are random token sequences with a learnable structure (next token = current + 1 mod V,
 with noise), seeded per rank, so the run is reproducible. Environment overrides:

@@ -1,10 +1,13 @@
 """The examples a user runs first stay silent when nothing is wrong: the README's DeepSpeed
 example as written (2 ranks, 200 steps), ``mechmon demo`` with its fault moved past the end, and
-``mechmon bench``'s healthy model at every interval it measures."""
+``mechmon bench``'s healthy model at every interval it measures; the DeepSpeed example's LR spike
+is named ``lr`` on every rank and leaves through exit code 86."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +18,30 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
 
 
-def test_the_readme_deepspeed_example_runs_to_the_end_without_an_alarm(tmp_path):
+def _deepspeed_example(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
     pytest.importorskip("deepspeed")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--standalone", str(ROOT / "launch" / "deepspeed_train.py"),
-           "--deepspeed_config", str(ROOT / "launch" / "deepspeed_config.json")]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True,
-                          timeout=600)
+           "--deepspeed_config", str(ROOT / "launch" / "deepspeed_config.json"), *extra]
+    return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+
+
+def test_the_readme_deepspeed_example_runs_to_the_end_without_an_alarm(tmp_path):
+    proc = _deepspeed_example(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "step 200 loss" in proc.stdout
     out = tmp_path / "mechmon_out" / "deepspeed"
     assert (out / "metrics.jsonl").is_file()
     assert not list(out.rglob("alarm.json"))
+
+
+def test_the_deepspeed_example_names_an_lr_spike_lr_and_exits_86(tmp_path):
+    proc = _deepspeed_example(tmp_path, "--lr-spike-step", "107", "--lr-spike-factor", "30")
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and re.search(r"exitcode\s*:\s*86", log), log[-3000:]
+    alarm = json.loads((tmp_path / "mechmon_out" / "deepspeed" / "checkpoints" / "alarm.json")
+                       .read_text())
+    assert alarm["fault_class"] == "lr" and 107 <= alarm["alarm_step"] <= 110, alarm
 
 
 def test_the_demo_without_its_fault_raises_no_alarm(tmp_path):

@@ -139,7 +139,7 @@ class DetectorBank:
         self.logs: set[str] = set()
         """Signals judged on a log scale (``log_signals``)."""
         self.peers = PeerGroups(name for name, _, fam in watched
-                                if any(compile_pattern(p).match(name) for p in fam.peer_signals))
+                                if _matches(name, fam.peer_signals))
         priced = sum(not _matches(name, fam.bound_only) for name, _, fam in watched)
         for name, family, fam in watched:
             self._family_channel(name, family, self._resolved(fam, family, priced))
@@ -186,7 +186,7 @@ class DetectorBank:
             fam.direction,
         )
         config, warmup = fam.baseline or self.config.baseline, self.config.warmup_samples
-        if any(compile_pattern(p).match(name) for p in fam.log_signals):
+        if _matches(name, fam.log_signals):
             self.logs.add(name)
             config = dataclasses.replace(config, min_rel_scale=0.0, min_abs_scale=max(
                 config.min_abs_scale, config.min_rel_scale))
@@ -290,4 +290,5 @@ class DetectorBank:
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
+    """Whether ``name`` matches any of the glob ``patterns``."""
     return any(compile_pattern(p).match(name) for p in patterns)

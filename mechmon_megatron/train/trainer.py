@@ -155,6 +155,7 @@ class _Trainer(CheckpointState):
                                            weight_decay=o.weight_decay)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.faults = Faults.install(cfg.fault, [self.model], self.optimizer)
+        self.expert_bias = bool(cfg.model.moe_router_enable_expert_bias)
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.layout = {"world": comm.world_size(), "tp": cfg.parallel.tp, "ep": cfg.parallel.ep,
@@ -210,7 +211,8 @@ class _Trainer(CheckpointState):
         self.optimizer.zero_grad(set_to_none=False)
         loss = self._forward_backward(tokens_BS, labels_BS)
         sync_grads(self.model)
-        update_expert_bias(self.model)
+        if self.expert_bias:
+            update_expert_bias(self.model)
         norm = grad_norm(self.model)
         clip = self.cfg.optim.clip_grad
         if clip > 0 and math.isfinite(norm) and norm > clip:

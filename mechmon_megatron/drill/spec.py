@@ -78,7 +78,7 @@ __all__ = [
 ]
 
 ROOT = "campaign"
-SHIPPED = ("quick", "full", "long")
+SHIPPED = ("quick", "full", "long", "dev", "validation")
 """Campaigns shipped as package data (``mechmon_megatron/campaigns/<name>.yaml``)."""
 
 FaultClass = Literal["attention", "lr", "router", "compound", "fp8_attention"]

@@ -2,7 +2,8 @@
 
 Sections: the campaign line; faulty runs (divergence, degradation, every detector's post-onset
 alarm with its lead in steps and %, the mechanism monitor's attribution and false alarm, the
-verdict); healthy runs and controls (each detector's false alarm); the per-fault summary; false
+verdict); healthy runs and controls (each detector's false alarm); the oracle step and every
+detector's oracle lag; the per-fault summary; false
 alarms per 10k healthy steps; the fault premise check; the plots.
 """
 
@@ -98,6 +99,29 @@ def _summary(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _lag(value: Any) -> str:
+    return "-" if value is None else f"{value:+.1f}"
+
+
+def _oracle(report: dict[str, Any]) -> list[str]:
+    lines = ["| run | oracle step | mechmon (lag) | " + " | ".join(BASELINE_DETECTORS) + " |",
+             "| --- | ---: | ---: |" + " ---: |" * len(BASELINE_DETECTORS)]
+    for r in report["runs"]:
+        if r["scored_healthy"]:
+            continue
+        d, lag = r["detectors"], r["oracle_lag"]
+        lines.append(f"| {r['name']} | {_fmt(r['oracle_step'])} | "
+                     + " | ".join(f"{_fmt(d[n]['alarm_step'])} ({_lag(lag[n])})"
+                                  for n in DETECTORS) + " |")
+    o = report["summary"]["oracle"]
+    lines += ["", f"Runs with an oracle step: {o['runs']}; detected with the right attribution: "
+              f"{o['detected']}; mechmon first: {o['first']}; oracle lag of the detected "
+              f"(samples): median {_lag(o['median_lag'])}, max {_lag(o['max_lag'])}; missed: "
+              f"{', '.join(o['missed']) or '-'}; no visible signature: "
+              f"{', '.join(o['no_signature']) or '-'}."]
+    return lines
+
+
 def _premise(emu: dict[str, Any] | None) -> list[str]:
     if not emu:
         return []
@@ -129,6 +153,8 @@ def render(report: dict[str, Any]) -> str:
         "onset-to-divergence).", "",
         "## Faulty runs", "", *_faulty(report), "",
         "## Healthy runs and controls (any alarm is a false alarm)", "", *_healthy(report), "",
+        "## Oracle (when the fault's module left its healthy twin; lag in samples)", "",
+        *_oracle(report), "",
         "## Summary", "", *_summary(report), "",
         f"All targets met: {_MARK[report['summary']['all_targets_met']]}.", "",
         *_premise(report.get("emulation_check")),

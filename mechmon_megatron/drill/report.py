@@ -16,6 +16,16 @@ Scoring of a faulty run (``fault_start`` = onset; ``div`` = divergence step, see
 - ``lead_ok``: ``lead_pct >= LEAD_TARGET_PCT``; ``lead_steps_ok``: ``lead >= LEAD_TARGET_STEPS``;
 - ``no_false_alarm``: the mechanism monitor was silent before onset.
 
+A fault's target is met when every run of it is detected, first, without a false alarm and, where
+it diverged, before the divergence with the target lead; a fault that never diverges still has to
+be detected by the mechanism monitor before every comparison rule.
+
+Oracle (:mod:`~mechmon_megatron.drill.oracle`): per faulty run the ``oracle_step`` (when the
+faulty module's signals left the healthy twin's) and each detector's ``oracle_lag`` in monitored
+samples. The summary's ``oracle`` gives, over the runs whose oracle step exists, the runs
+detected with the right attribution, the median and maximum mechmon lag, and the runs where
+mechmon came first.
+
 False alarms: per detector, the healthy runs and controls it alarmed on, and that count per
 10,000 steps of those runs (``last_step`` summed: each run counts at most one alarm, since an
 alarm stops a production job). Faulty runs' pre-onset alarms are listed per run, not counted
@@ -40,6 +50,7 @@ from mechmon_megatron.drill.evaluate import (
     evaluate_run,
     monitor_config,
 )
+from mechmon_megatron.drill.oracle import module_signals, oracle_lag, oracle_step
 from mechmon_megatron.drill.runner import run_dir
 from mechmon_megatron.scan.output import publish
 from mechmon_megatron.train.plot import read_jsonl
@@ -47,7 +58,7 @@ from mechmon_megatron.train.plot import read_jsonl
 __all__ = ["SCHEMA_VERSION", "LEAD_TARGET_PCT", "LEAD_TARGET_STEPS", "score_run",
            "summarize", "evaluate_campaign", "write_report"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the ``drill.json`` layout (docs/drill.md); bumped on any incompatible change."""
 
 LEAD_TARGET_PCT = 30.0
@@ -105,9 +116,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         mine = [r for r in rows if r["fault"] == name and not r["scored_healthy"]]
         div = [r for r in mine if r["divergence_step"] is not None]
         v = [r["verdict"] for r in mine]
-        ok = all(x["detected"] and x["no_false_alarm"] for x in v) and all(
-            r["verdict"]["before_divergence"] and r["verdict"]["first"] and r["verdict"]["lead_ok"]
-            for r in div)
+        ok = all(x["detected"] and x["first"] and x["no_false_alarm"] for x in v) and all(
+            r["verdict"]["before_divergence"] and r["verdict"]["lead_ok"] for r in div)
         faults[name] = {
             "class": mine[0]["fault_class"], "runs": len(mine), "diverged": len(div),
             **{k: sum(bool(x[k]) for x in v) for k in
@@ -117,6 +127,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                                     if r["lead"]["mechmon"] is not None]),
             "median_lead_pct": _median([r["lead_pct"]["mechmon"] for r in div
                                         if r["lead_pct"]["mechmon"] is not None]),
+            "oracle_lags": [r["oracle_lag"]["mechmon"] for r in mine],
             "target_met": ok,
         }
     healthy = [r for r in rows if r["scored_healthy"]]
@@ -134,9 +145,29 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "healthy_runs": len(healthy),
         "healthy_steps": steps,
         "false_alarms": false_alarms,
+        "oracle": oracle_summary(rows),
         "all_targets_met": all(f["target_met"] for f in faults.values())
         and false_alarms["mechmon"]["count"] == 0,
     }
+
+
+def oracle_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over the faulty runs whose oracle step exists: runs, detected (right attribution), the
+    median and maximum mechmon oracle lag (samples) of the detected ones, and mechmon first."""
+    seen = [r for r in rows if not r["scored_healthy"] and r.get("oracle_step") is not None]
+    hit = [r for r in seen if r["verdict"]["detected"]]
+    lags = [r["oracle_lag"]["mechmon"] for r in hit if r["oracle_lag"]["mechmon"] is not None]
+    return {"runs": len(seen), "detected": len(hit),
+            "no_signature": [r["name"] for r in rows if not r["scored_healthy"]
+                             and r.get("oracle_step") is None],
+            "missed": [r["name"] for r in seen if not r["verdict"]["detected"]],
+            "median_lag": _median(lags), "max_lag": max(lags) if lags else None,
+            "first": sum(bool(r["verdict"]["first"]) for r in seen)}
+
+
+def _rows(metrics: list[dict[str, Any]]) -> list[tuple[int, dict[str, float]]]:
+    return [(int(r["step"]), {k: math.nan if v is None else float(v)
+                              for k, v in r["signals"].items()}) for r in metrics]
 
 
 def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
@@ -168,6 +199,14 @@ def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:
             "final_loss": train[-1]["loss"] if train else None,
             "online_alarm_step": online.get("alarm_step"), **ev}
         if not run.scored_healthy:
+            faulty, ref = _rows(metrics), _rows(twin or [])
+            names = sorted({k for _, t in faulty for k in t})
+            oracle = oracle_step(faulty, ref, module_signals(run.config["fault"], names),
+                                 config.detectors.start_step, int(run.fault_start))
+            interval = campaign.spec.monitor.interval
+            row["oracle_step"] = oracle
+            row["oracle_lag"] = {name: oracle_lag(d["alarm_step"], oracle, interval)
+                                 for name, d in ev["detectors"].items()}
             row.update(score_run(run, ev))
         rows.append(row)
     return {"runs": rows, "summary": summarize(rows)}

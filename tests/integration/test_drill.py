@@ -41,6 +41,11 @@ def test_quick_campaign_trains_scores_and_reuses_its_runs(tmp_path, capsys):
     deg, div = fault["degradation_step"], fault["divergence_step"]
     assert deg is None or deg >= 250
     assert div is None or (deg is not None and div >= deg)
+    # The quick campaign's fault is detected, named, and its healthy twin is silent.
+    assert fault["verdict"]["detected"] and fault["verdict"]["attribution_ok"]
+    assert fault["detectors"]["mechmon"]["fault_class"] == "attention"
+    assert healthy["detectors"]["mechmon"]["false_alarm_step"] is None
+    assert fault["oracle_step"] is not None and fault["oracle_lag"]["mechmon"] is not None
     fa = report["summary"]["false_alarms"]
     assert set(fa) == set(DETECTORS) and report["summary"]["healthy_steps"] == healthy["last_step"]
 

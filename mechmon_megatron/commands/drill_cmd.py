@@ -1,20 +1,25 @@
 """``mechmon drill``: fault drills on the reference trainer and the lead-time table.
 
     mechmon drill --out DIR [--campaign FILE|quick|full|long] [--quick] [--config FILE]
-                  [--jobs J] [--no-plots] [--no-progress]
+                  [--jobs J] [--no-plots] [--no-progress] [--rescore [--budgets B,...]]
 
 Loads the campaign (a YAML file, or a shipped one; default ``full``; ``--quick`` is
 ``--campaign quick``), trains a healthy run per model and seed and one run per fault and seed
 with the shipped mechmon defaults (or ``--config``) (:mod:`mechmon_megatron.drill`), replays
 every detector over the same logs and writes ``DIR/drill.json``, ``DIR/drill.md`` and
 ``DIR/plots/*.png``; the runs stay under ``DIR/runs/`` (a rerun reuses finished runs whose
-config is unchanged). Exit code 0 when every target is met, 1 when one is missed (the report
-says which), 2 on an invalid campaign or config.
+config is unchanged). ``--rescore`` trains nothing: it re-scores the finished runs under
+``--config`` (seconds; exit 2 naming the runs that are missing), and with ``--budgets`` prints
+the operating characteristic, one row per false-alarm budget, and writes
+``DIR/characteristic.json`` (:mod:`mechmon_megatron.drill.characteristic`). Exit code 0 when
+every target is met, 1 when one is missed (the report says which), 2 on an invalid campaign or
+config.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +43,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="runs trained in parallel processes (default %(default)s)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--rescore", action="store_true",
+                        help="train nothing: re-score the finished runs under --out with --config")
+    parser.add_argument("--budgets", metavar="B,...",
+                        help="with --rescore: the operating characteristic at these false-alarm "
+                             "budgets per 10k steps (e.g. 0.001,0.01,0.1)")
     return parser
 
 
@@ -62,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"mechmon drill: {exc}", flush=True)
         return 2
     out = Path(args.out)
+    if args.rescore or args.budgets:
+        return _rescore(args, campaign, out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"mechmon drill: {campaign.name} campaign, {len(campaign.runs)} runs of "
           f"{campaign.steps} steps, mechmon config: {campaign.config_source}, {args.jobs} "
@@ -75,4 +87,45 @@ def run(args: argparse.Namespace) -> int:
     print((out / "drill.md").read_text(), flush=True)
     print(f"mechmon drill: wrote {out / 'drill.json'} and {out / 'drill.md'} in "
           f"{time.time() - start:.0f} s", flush=True)
+    return 0 if report["summary"]["all_targets_met"] else 1
+
+
+def _rescore(args: argparse.Namespace, campaign: Any, out: Path) -> int:
+    """``--rescore`` (and ``--budgets``): score the finished runs, train nothing."""
+    from mechmon_megatron.drill import emulation_check, load_campaign, write_report
+    from mechmon_megatron.drill.characteristic import (
+        missing_runs,
+        operating_characteristic,
+        render_characteristic,
+    )
+    from mechmon_megatron.scan.output import publish
+
+    if not args.rescore:
+        print("mechmon drill: --budgets needs --rescore", flush=True)
+        return 2
+    missing = missing_runs(campaign, out)
+    if missing:
+        print(f"mechmon drill: --rescore: {len(missing)} run(s) not finished under {out} with "
+              f"this campaign: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
+              flush=True)
+        return 2
+    if args.budgets:
+        try:
+            budgets = [float(b) for b in args.budgets.split(",")]
+            if not all(0 < b < float("inf") for b in budgets):
+                raise ValueError
+        except ValueError:
+            print(f"mechmon drill: --budgets: invalid value {args.budgets!r}; allowed: numbers "
+                  "> 0 separated by commas", flush=True)
+            return 2
+        spec = load_campaign("quick" if args.quick else (args.campaign or "full"))
+        rows = operating_characteristic(spec, out, budgets, args.config)
+        text = render_characteristic(rows)
+        publish(out, {"characteristic.json": (json.dumps(rows, indent=1) + "\n").encode(),
+                      "characteristic.md": text.encode()})
+        print(text, flush=True)
+        return 0
+    report = write_report(campaign, out, 0.0, 0, args.jobs, emulation_check(),
+                          plots=not args.no_plots)
+    print((out / "drill.md").read_text(), flush=True)
     return 0 if report["summary"]["all_targets_met"] else 1

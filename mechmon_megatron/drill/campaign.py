@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,8 @@ class Campaign:
         return spec
 
 
-def mechmon_section(spec: CampaignSpec, config: str | Path | None = None) -> dict[str, Any]:
+def mechmon_section(spec: CampaignSpec,
+                    config: str | Path | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The mechmon mapping of every run: shipped defaults (or ``config``) + the harness keys.
 
     Raises:
@@ -187,12 +189,13 @@ def _expected(fault: FaultSpec) -> tuple[str, ...]:
     return tuple(dict.fromkeys(KIND_FAMILY[k] for k in kinds))
 
 
-def build_campaign(spec: CampaignSpec, config: str | Path | None = None) -> Campaign:
+def build_campaign(spec: CampaignSpec,
+                   config: str | Path | Mapping[str, Any] | None = None) -> Campaign:
     """The runs of ``spec`` with the mechmon config of :func:`mechmon_section`.
 
     Args:
         spec: the loaded campaign.
-        config: a mechmon config file (``--config``); None: the shipped defaults.
+        config: a mechmon config file (``--config``) or mapping; None: the shipped defaults.
     """
     mechmon = mechmon_section(spec, config)
     runs = [DrillRun(f"healthy-{m}-s{s}", "healthy", "healthy", m, s, None, None, False, (),
@@ -203,4 +206,6 @@ def build_campaign(spec: CampaignSpec, config: str | Path | None = None) -> Camp
             runs.append(DrillRun(f"{f.name}-s{s}", f.name, f.class_, f.model, s,
                                  f"healthy-{f.model}-s{s}", f.onset_step(spec.steps), f.control,
                                  _expected(f), _train_config(spec, f.model, s, f, mechmon)))
-    return Campaign(spec, mechmon, str(config) if config else "shipped defaults", runs)
+    source = ("shipped defaults" if not config
+              else "a mapping" if isinstance(config, Mapping) else str(config))
+    return Campaign(spec, mechmon, source, runs)

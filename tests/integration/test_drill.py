@@ -53,3 +53,17 @@ def test_quick_campaign_trains_scores_and_reuses_its_runs(tmp_path, capsys):
     assert main(["drill", "--quick", "--out", str(tmp_path), "--no-plots",
                  "--no-progress"]) == code
     assert "reusing 2 finished run(s)" in capsys.readouterr().out
+
+    # Re-scoring trains nothing and gives the same verdict; the operating characteristic has
+    # one row per budget, and a looser budget never detects less.
+    capsys.readouterr()
+    assert main(["drill", "--quick", "--out", str(tmp_path), "--rescore", "--no-plots"]) == code
+    assert "reusing" not in capsys.readouterr().out
+    assert main(["drill", "--quick", "--out", str(tmp_path), "--rescore",
+                 "--budgets", "0.01,10"]) == 0
+    rows = json.loads((tmp_path / "characteristic.json").read_text())
+    assert [r["budget"] for r in rows] == [0.01, 10.0]
+    assert rows[1]["detected"] >= rows[0]["detected"]
+    assert main(["drill", "--quick", "--out", str(tmp_path / "empty"), "--rescore"]) == 2
+    assert main(["drill", "--quick", "--out", str(tmp_path), "--rescore",
+                 "--budgets", "-1"]) == 2

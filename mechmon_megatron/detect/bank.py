@@ -13,9 +13,10 @@ Patterns: ``*`` matches within one path component, ``**`` across components, ``?
 
 Per signal, a :class:`~mechmon_megatron.detect.channel.SignalChannel` feeds each sample to the
 detectors, then to the baseline (detect/channel.py); a ``log_signals`` sample reaches them as
-``log(max(x, 1e-6))`` (absolute bounds still judge ``x``). Whenever a baseline forms, the
-long-run-variance factor of its kind (the same name in every layer) is pooled anew from the
-kind's formed baselines (detect/budget.py) and given to each of them.
+``log(max(x, 1e-6))``, a ``jump_signals`` sample as its log-ratio to its trailing median
+(detect/jumps.py; absolute bounds and the comparison rules still judge ``x``). Whenever a
+baseline forms, the long-run-variance factor of its kind (the same name in every layer) is
+pooled anew from the kind's formed baselines (detect/budget.py) and given to each of them.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from mechmon_megatron.detect.detectors import (
     RobustZ,
     ZSpike,
 )
+from mechmon_megatron.detect.jumps import TrailingJump
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 
 __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
@@ -138,6 +140,8 @@ class DetectorBank:
         self.thresholds: dict[str, dict[str, float]] = {}
         self.logs: set[str] = set()
         """Signals judged on a log scale (``log_signals``)."""
+        self.jumps: dict[str, TrailingJump] = {}
+        """Signals judged for jumps against their trailing window (``jump_signals``)."""
         self.peers = PeerGroups(name for name, _, fam in watched
                                 if _matches(name, fam.peer_signals))
         priced = sum(not _matches(name, fam.bound_only) for name, _, fam in watched)
@@ -186,7 +190,9 @@ class DetectorBank:
             fam.direction,
         )
         config, warmup = fam.baseline or self.config.baseline, self.config.warmup_samples
-        if _matches(name, fam.log_signals):
+        if _matches(name, fam.jump_signals):
+            self.jumps[name] = TrailingJump(fam.jump_window)
+        elif _matches(name, fam.log_signals):
             self.logs.add(name)
             config = dataclasses.replace(config, min_rel_scale=0.0, min_abs_scale=max(
                 config.min_abs_scale, config.min_rel_scale))
@@ -236,7 +242,12 @@ class DetectorBank:
         for name, channel in self.channels.items():
             if name in signals:
                 raw = float(signals[name])
-                value = log_scale(raw) if name in self.logs else float(relative.get(name, raw))
+                if name in self.jumps:
+                    value = self.jumps[name](raw)
+                elif name in self.logs:
+                    value = log_scale(raw)
+                else:
+                    value = float(relative.get(name, raw))
                 findings.extend(channel.update(step, value, raw))
         findings = [locate(f, signals) for f in findings]
         self.alarming.extend(f for f in findings if f.alarm)
@@ -269,6 +280,8 @@ class DetectorBank:
         """Re-arm every detector on fresh baselines (after an acknowledged alarm)."""
         for channel in self.channels.values():
             channel.reset()
+        for jump in self.jumps.values():
+            jump.reset()
         self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming = []
 
@@ -277,6 +290,7 @@ class DetectorBank:
         return {
             "channels": {name: c.state_dict() for name, c in self.channels.items()},
             "alarming": [f.to_dict() for f in self.alarming],
+            "jumps": {name: j.state_dict() for name, j in self.jumps.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -285,6 +299,9 @@ class DetectorBank:
         for name, channel in self.channels.items():
             if name in sd["channels"]:
                 channel.load_state_dict(sd["channels"][name])
+        for name, jump in self.jumps.items():
+            if name in sd.get("jumps", {}):
+                jump.load_state_dict(sd["jumps"][name])
         self._pooled = {kind: sum(b.ready for b in bs) for kind, bs in self.kinds.items()}
         self.alarming = [Finding(**f) for f in sd["alarming"]]
 

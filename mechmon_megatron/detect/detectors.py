@@ -162,6 +162,7 @@ class LossSpike(Detector):
     """Megatron's spiky-loss rule (``is_unexpectedly_large``, SPIKY_LOSS_FACTOR = 10)."""
 
     name = "loss_spike"
+    absolute = True  # the loss itself, whatever the family's rules are fed
     _state = ("count", "reference")
 
     def __init__(self, signal: str, family: str, config: LossSpikeConfig) -> None:
@@ -185,6 +186,7 @@ class LossSpike(Detector):
 class ZSpike(Detector):
     """Rolling z-score against the mean and std of the previous ``window`` samples (upward)."""
 
+    absolute = True  # the loss or grad norm itself, whatever the family's rules are fed
     _state = ("window",)
 
     def __init__(self, name: str, signal: str, family: str, config: ZSpikeConfig) -> None:

@@ -76,7 +76,7 @@ def test_unknown_key_without_close_match_lists_the_known_keys():
 @pytest.mark.parametrize(
     ("block", "message"),
     [
-        ({"qk": {"interval": 0}}, r"mechmon\.qk\.interval: invalid value 0; allowed: an integer >"),
+        ({"qk": {"interval": 0}}, r"mechmon\.qk\.interval: invalid value 0; allowed: an integer in"),
         ({"qk": {"interval": True}}, r"mechmon\.qk\.interval: invalid value True; allowed: an int"),
         ({"qk": {"terms": ["delta9"]}}, r"mechmon\.qk\.terms\[0\]: invalid value 'delta9'"),
         ({"qk": {"layers": [0]}}, r"mechmon\.qk\.layers: invalid value \[0\]; allowed: 'all' or"),
@@ -87,7 +87,7 @@ def test_unknown_key_without_close_match_lists_the_known_keys():
         ({"actions": {"on_alarm": "exit"}}, r"on_alarm: invalid value 'exit'; allowed: one of"),
         ({"detectors": {"attn": {"robust_z": {"k": 5}}}}, r"robust_z\.k: invalid value 5.*n = 4"),
         ({"detectors": {"optim": {"robust_z": {"single_threshold": -1}}}},
-         r"optim\.robust_z\.single_threshold: invalid value -1\.0; allowed: null or a number > 0"),
+         r"optim\.robust_z\.single_threshold: invalid value -1\.0; allowed: null or a number in"),
         (
             {"detectors": {"attn": {"signals": ["global/loss"]}}},
             r"mechmon\.detectors\.attn\.signals\[0\]: invalid value 'global/loss'; allowed: a pat",
@@ -99,6 +99,28 @@ def test_unknown_key_without_close_match_lists_the_known_keys():
         ({"detectors": {"baseline": {"track_rate": 1.5}}}, r"baseline\.track_rate: invalid value"),
         ({"sinks": {"wandb": {"mode": "cloud"}}}, r"mechmon\.sinks\.wandb\.mode: invalid value"),
         ({"qk": 3}, r"mechmon\.qk: invalid value 3; allowed: a mapping"),
+        # Values that would switch a rule off without a word: refused with the allowed range.
+        ({"qk": {"interval": 10**9}}, r"mechmon\.qk\.interval: invalid value 1000000000; "
+         r"allowed: an integer in 1\.\.100000"),
+        ({"optim": {"sharpness": {"interval": 10**9}}}, r"sharpness\.interval: .*1\.\.100000"),
+        ({"detectors": {"warmup_samples": 10**9}},
+         r"mechmon\.detectors\.warmup_samples: invalid value 1000000000; allowed: an integer "
+         r"in 3\.\.10000"),
+        ({"detectors": {"attn": {"robust_z": {"threshold": float("inf")}}}},
+         r"mechmon\.detectors\.attn\.robust_z\.threshold: invalid value inf; allowed: a finite"),
+        ({"detectors": {"attn": {"robust_z": {"threshold": ".inf"}}}},
+         r"robust_z\.threshold: invalid value '\.inf'; allowed: a finite number or null"),
+        ({"detectors": {"attn": {"robust_z": {"threshold": 1e9}}}},
+         r"robust_z\.threshold: invalid value 1000000000\.0; allowed: null or a number in \(0, 100\]"),
+        ({"detectors": {"attn": {"cusum": {"threshold": "nan"}}}},
+         r"cusum\.threshold: invalid value 'nan'; allowed: a finite number or null"),
+        ({"detectors": {"false_alarms_per_10k_steps": float("inf")}},
+         r"mechmon\.detectors\.false_alarms_per_10k_steps: invalid value inf; allowed: a fin"),
+        ({"detectors": {"false_alarms_per_10k_steps": 1e9}},
+         r"false_alarms_per_10k_steps: invalid value 1000000000\.0; allowed: a number in "
+         r"\[1e-06, 10000\]"),
+        ({"detectors": {"attn": {"bounds": {"max": float("nan")}}}},
+         r"attn\.bounds\.max: invalid value nan; allowed: a finite number or null"),
     ],
 )
 def test_invalid_values_name_path_value_and_what_is_allowed(block, message):

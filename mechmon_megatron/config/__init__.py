@@ -42,7 +42,7 @@ from mechmon_megatron.config.detectors import (
     RobustZConfig,
     ZSpikeConfig,
 )
-from mechmon_megatron.config.fields import overlay, require, to_dict
+from mechmon_megatron.config.fields import overlay, require, show, to_dict
 from mechmon_megatron.config.monitors import (
     FP8Config,
     GlobalConfig,
@@ -53,6 +53,7 @@ from mechmon_megatron.config.monitors import (
     SketchConfig,
     UpdateRatioConfig,
 )
+from mechmon_megatron.config.source import read_source
 
 __all__ = [
     "SketchConfig",
@@ -236,18 +237,17 @@ class MechMonConfig:
 
 
 
-def _read(source: str | Path) -> dict[str, Any]:
-    text = Path(source).read_text()
-    data = json.loads(text) if str(source).endswith(".json") else yaml.safe_load(text)
+def _read(source: str | Path) -> Any:
+    data = read_source(source, ROOT)
     return {} if data is None else data
 
 
 def load_preset(name: str) -> dict[str, Any]:
     """The partial mapping of preset ``name`` (one of :data:`PRESETS`)."""
-    if name not in PRESETS:
-        close = difflib.get_close_matches(name, PRESETS, n=1)
+    if not isinstance(name, str) or name not in PRESETS:
+        close = difflib.get_close_matches(name, PRESETS, n=1) if isinstance(name, str) else []
         hint = f"did you mean {close[0]!r}?" if close else f"known presets: {', '.join(PRESETS)}"
-        raise ValueError(f"{ROOT}.preset: unknown preset {name!r}; {hint}")
+        raise ValueError(f"{ROOT}.preset: unknown preset {show(name)}; {hint}")
     text = resources.files("mechmon_megatron").joinpath("presets", f"{name}.yaml").read_text()
     return yaml.safe_load(text) or {}
 
@@ -274,7 +274,7 @@ def load_config(
         return source
     data = _read(source) if isinstance(source, (str, Path)) else (source or {})
     if not isinstance(data, Mapping):
-        raise ValueError(f"{ROOT}: invalid value {data!r}; allowed: a mapping")
+        raise ValueError(f"{ROOT}: invalid value {show(data)}; allowed: a mapping")
     data = dict(data)
     name = data.pop("preset", None)
     name = preset if preset is not None else name

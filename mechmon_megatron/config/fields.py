@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import reprlib
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
-__all__ = ["require", "overlay", "to_dict", "check_layers"]
+__all__ = ["require", "overlay", "to_dict", "check_layers", "show", "MAX_SHOWN"]
+
+MAX_SHOWN = 120
+"""Most characters of a value (or key) quoted in an error message."""
+
+_REPR = reprlib.Repr()  # Python 3.11's Repr takes no keyword arguments
+for _name, _limit in (("maxlevel", 3), ("maxdict", 4), ("maxlist", 6), ("maxtuple", 6),
+                      ("maxset", 6), ("maxstring", 60), ("maxother", 60), ("maxlong", 40)):
+    setattr(_REPR, _name, _limit)
+
+
+def show(value: Any) -> str:
+    """``repr(value)`` cut to at most :data:`MAX_SHOWN` characters (nested containers, long
+    strings and huge integers abridged with ``...``), so that no message grows with its input:
+    a YAML alias bomb would otherwise repr to megabytes."""
+    try:
+        text = _REPR.repr(value)
+    except (ValueError, RecursionError):  # an int beyond str()'s digit limit
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 
 class _FieldError(ValueError):
     """A constraint on one field (path relative to the dataclass that raised it) failed."""
 
     def __init__(self, field_path: str, value: Any, allowed: str) -> None:
-        super().__init__(f"{field_path}: invalid value {value!r}; allowed: {allowed}")
+        super().__init__(f"{field_path}: invalid value {show(value)}; allowed: {allowed}")
         self.field_path = field_path
         self.value = value
         self.allowed = allowed
@@ -46,6 +67,12 @@ def check_layers(layers: str | list[int]) -> None:
         "'all' or a list of global 1-based layer numbers (>= 1)",
     )
 
+
+
+def _key_text(key: Any) -> str:
+    """A mapping key as it appears in a dotted path (cut like :func:`show`)."""
+    text = key if isinstance(key, str) else show(key)
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
 
 
 def _key(f: dataclasses.Field) -> str:
@@ -73,7 +100,7 @@ def _describe(tp: Any) -> str:
         return f"a list of ({_describe(args[0])})"
     if origin is dict:
         return f"a mapping of string to ({_describe(args[1])})"
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}
+    names = {bool: "a boolean", int: "an integer", float: "a finite number", str: "a string"}
     return names.get(tp, "null" if tp is type(None) else "a mapping")
 
 
@@ -97,18 +124,24 @@ def _convert(tp: Any, value: Any, default: Any, path: str) -> Any:
             return [_convert(args[0], v, None, f"{path}[{i}]") for i, v in enumerate(value)]
     elif origin is dict:
         if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-            return {k: _convert(args[1], v, None, f"{path}.{k}") for k, v in value.items()}
+            return {k: _convert(args[1], v, None, f"{path}.{_key_text(k)}")
+                    for k, v in value.items()}
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, Mapping):
             return overlay(default if default is not None else tp(), value, path)
     elif tp is float:
+        # NaN and +-inf are refused everywhere: a comparison with NaN is false, so a NaN
+        # threshold or bound silently switches its rule off, and so does an infinite one.
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            number = float(value) if abs(value) < 1e308 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):
+            return number
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -119,7 +152,7 @@ def _convert(tp: Any, value: Any, default: Any, path: str) -> Any:
 
 class _Mismatch(ValueError):
     def __init__(self, path: str, value: Any, allowed: str) -> None:
-        super().__init__(f"{path}: invalid value {value!r}; allowed: {allowed}")
+        super().__init__(f"{path}: invalid value {show(value)}; allowed: {allowed}")
 
 
 def overlay(base: Any, data: Any, path: str) -> Any:
@@ -129,16 +162,17 @@ def overlay(base: Any, data: Any, path: str) -> Any:
     are checked against the field types. Shared by every strict config of the package.
     """
     if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: invalid value {data!r}; allowed: a mapping")
+        raise ValueError(f"{path}: invalid value {show(data)}; allowed: a mapping")
     fields = {_key(f): f for f in dataclasses.fields(base)}
     hints = typing.get_type_hints(type(base))
     changes = {}
     for key, value in data.items():
         f = fields.get(key)
         if f is None:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            name = _key_text(key)
+            close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(fields)}"
-            raise ValueError(f"{path}.{key}: unknown key; {hint}")
+            raise ValueError(f"{path}.{name}: unknown key; {hint}")
         changes[f.name] = _convert(hints[f.name], value, getattr(base, f.name), f"{path}.{key}")
     try:
         return dataclasses.replace(base, **changes)

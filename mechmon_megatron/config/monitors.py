@@ -8,7 +8,17 @@ from typing import Literal
 from mechmon_megatron.config.fields import check_layers, require
 
 __all__ = ["SketchConfig", "QKConfig", "RouterConfig", "UpdateRatioConfig", "SharpnessConfig",
-           "OptimMonitorConfig", "FP8Config", "GlobalConfig"]
+           "OptimMonitorConfig", "FP8Config", "GlobalConfig", "MAX_INTERVAL", "check_interval"]
+
+MAX_INTERVAL = 100_000
+"""Largest monitor interval in steps: beyond it a monitor would not run in any real training
+run, which is ``enabled: false`` said silently."""
+
+
+def check_interval(value: int, field_path: str = "interval") -> None:
+    """``value`` is a monitor interval in ``1..MAX_INTERVAL``."""
+    require(0 < value <= MAX_INTERVAL, field_path, value,
+            f"an integer in 1..{MAX_INTERVAL} (steps; to switch the monitor off, enabled: false)")
 
 QKTerm = Literal["delta2", "delta3", "delta1", "dwq", "dwk"]
 
@@ -62,7 +72,7 @@ class QKConfig:
     """Layer-level randomized sketch over all heads."""
 
     def __post_init__(self) -> None:
-        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        check_interval(self.interval)
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
         check_layers(self.layers)
         require(bool(self.terms), "terms", self.terms, "a non-empty list of QK terms")
@@ -83,7 +93,7 @@ class RouterConfig:
     """``all`` or a list of global 1-based layer numbers (MoE layers only)."""
 
     def __post_init__(self) -> None:
-        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        check_interval(self.interval)
         require(self.histogram_bins > 1, "histogram_bins", self.histogram_bins, "an integer > 1")
         check_layers(self.layers)
 
@@ -144,7 +154,7 @@ class SharpnessConfig:
     and an estimate at or above ``recheck_above`` when that is set."""
 
     def __post_init__(self) -> None:
-        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        check_interval(self.interval)
         require(self.iters >= 1, "iters", self.iters, "an integer >= 1")
         require(self.tol >= 0, "tol", self.tol, "a number >= 0")
         require(0 < self.fd_scale < 1, "fd_scale", self.fd_scale, "a number in (0, 1)")
@@ -171,7 +181,7 @@ class OptimMonitorConfig:
     """Preconditioned sharpness."""
 
     def __post_init__(self) -> None:
-        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        check_interval(self.interval)
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")
         require(self.sharpness.interval % self.interval == 0, "sharpness.interval",
                 self.sharpness.interval, f"a multiple of optim.interval ({self.interval})")
@@ -192,7 +202,7 @@ class FP8Config:
     ``core_attention.current_max_attn_logits``: ``--log-max-attention-logit``, TE >= 2.9)."""
 
     def __post_init__(self) -> None:
-        require(self.interval > 0, "interval", self.interval, "an integer > 0")
+        check_interval(self.interval)
         check_layers(self.layers)
 
 

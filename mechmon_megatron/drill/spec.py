@@ -52,9 +52,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
 from mechmon_megatron.config import overlay, require
+from mechmon_megatron.config.fields import show
+from mechmon_megatron.config.source import read_source
 from mechmon_megatron.faults.config import (
     AttentionFaultConfig,
     FaultConfig,
@@ -260,13 +260,17 @@ def load_campaign(source: str | Path | dict[str, Any]) -> CampaignSpec:
             raise ValueError(f"{ROOT}: no campaign file {str(source)!r}; {hint}"
                              + ("" if close else ", ".join(SHIPPED)))
         stem = path.stem
-        data = yaml.safe_load(path.read_text())
+        data = read_source(path, ROOT)
     else:
         data = source
     if not isinstance(data, dict):
-        raise ValueError(f"{ROOT}: invalid value {data!r}; allowed: a mapping")
+        raise ValueError(f"{ROOT}: invalid value {show(data)}; allowed: a mapping")
     data = dict(data)
-    for name, model in (data.get("models") or {}).items():
+    models = data.get("models") or {}
+    if not isinstance(models, dict):
+        raise ValueError(f"{ROOT}.models: invalid value {show(models)}; allowed: a mapping of "
+                         "model names to shapes")
+    for name, model in models.items():
         if isinstance(model, dict) and "seed" in model:
             raise ValueError(f"{ROOT}.models.{name}.seed: unknown key; the campaign's seeds set "
                              "every run's model seed")

@@ -12,18 +12,16 @@ schedule :func:`lr_factor`::
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
-
-import yaml
 
 from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.config import MechMonConfig, load_config, overlay, require
+from mechmon_megatron.config.fields import show
+from mechmon_megatron.config.source import read_source
 from mechmon_megatron.faults.config import FaultConfig
 from mechmon_megatron.train.data import DataConfig
 from mechmon_megatron.train.model import ModelSpec, ParallelSpec
@@ -161,14 +159,13 @@ def load_train_config(source: str | os.PathLike[str] | Mapping[str, Any] | Train
     if isinstance(source, TrainConfig):
         return source
     if isinstance(source, (str, os.PathLike)):
-        text = Path(source).read_text()
-        data = json.loads(text) if str(source).endswith(".json") else yaml.safe_load(text)
+        data = read_source(source, ROOT)
     else:
         data = source
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
-        raise ValueError(f"{ROOT}: invalid value {data!r}; allowed: a mapping")
+        raise ValueError(f"{ROOT}: invalid value {show(data)}; allowed: a mapping")
     data = dict(data)
     mechmon = load_config(data.pop("mechmon", None))
     return dataclasses.replace(overlay(TrainConfig(), data, ROOT), mechmon=mechmon)

@@ -76,7 +76,7 @@ def test_unknown_key_without_close_match_lists_the_known_keys():
 @pytest.mark.parametrize(
     ("block", "message"),
     [
-        ({"qk": {"interval": 0}}, r"mechmon\.qk\.interval: invalid value 0; allowed: an integer in"),
+        ({"qk": {"interval": 0}}, r"mechmon\.qk\.interval: invalid value 0; allowed: an integ"),
         ({"qk": {"interval": True}}, r"mechmon\.qk\.interval: invalid value True; allowed: an int"),
         ({"qk": {"terms": ["delta9"]}}, r"mechmon\.qk\.terms\[0\]: invalid value 'delta9'"),
         ({"qk": {"layers": [0]}}, r"mechmon\.qk\.layers: invalid value \[0\]; allowed: 'all' or"),
@@ -111,7 +111,8 @@ def test_unknown_key_without_close_match_lists_the_known_keys():
         ({"detectors": {"attn": {"robust_z": {"threshold": ".inf"}}}},
          r"robust_z\.threshold: invalid value '\.inf'; allowed: a finite number or null"),
         ({"detectors": {"attn": {"robust_z": {"threshold": 1e9}}}},
-         r"robust_z\.threshold: invalid value 1000000000\.0; allowed: null or a number in \(0, 100\]"),
+         r"robust_z\.threshold: invalid value 1000000000\.0; allowed: null or a number in "
+         r"\(0, 100\]"),
         ({"detectors": {"attn": {"cusum": {"threshold": "nan"}}}},
          r"cusum\.threshold: invalid value 'nan'; allowed: a finite number or null"),
         ({"detectors": {"false_alarms_per_10k_steps": float("inf")}},

@@ -87,14 +87,17 @@ class ProcessExit:
 
 
 def _write(alarm: Alarm, directory: str | None) -> None:
+    """Rank 0's write of the alarm file between two barriers: it never raises (a rank that
+    raised here would leave the others waiting in the next barrier); a failure is warned."""
     if directory is None:
         logger.warning("mechmon: no directory known for the alarm file; alarm %s is only logged",
                        alarm.alarm_id)
         return
     try:
         path = write_alarm_json(alarm, directory)
-    except OSError as exc:
-        warnings.warn(f"mechmon: could not write the alarm file in {directory}: {exc}",
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"mechmon: could not write the alarm file in {directory} "
+                      f"({type(exc).__name__}: {exc}); alarm {alarm.alarm_id} is only logged",
                       stacklevel=3)
         return
     logger.error("mechmon: alarm file written: %s", path)

@@ -39,7 +39,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.alarm_fields import check_record, valid_alarm_id
+from mechmon_megatron.atomic_write import atomic_write
 from mechmon_megatron.config import MechMonConfig, load_config
 
 __all__ = [
@@ -157,14 +158,24 @@ class Alarm:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Alarm:
-        """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers)."""
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (newer writers).
+
+        Raises:
+            ValueError: ``data`` is not an alarm record: a required field is missing, a field
+                has the wrong type, or ``alarm_id`` holds other than letters, digits, ``_-``
+                (the message names the field).
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"an alarm record is a mapping, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        record = {k: v for k, v in data.items() if k in names}
+        check_record(record)
+        return cls(**record)
 
     def summary(self) -> str:
         """One line for logs: id, class, steps, first evidence, checkpoint to roll back to."""
         ckpt = self.checkpoint_before_onset
-        where = f"{ckpt['path']} (step {ckpt['step']})" if ckpt else "none recorded"
+        where = f"{ckpt.get('path')} (step {ckpt.get('step')})" if ckpt else "none recorded"
         first = self.evidence[0] if self.evidence else {}
         lead = f" first evidence: {first.get('signal', first)};" if first else ""
         return (
@@ -253,10 +264,9 @@ def share_diagnosis(
 def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:
     """Atomically write ``alarm`` as ``<directory>/alarm.json``; return the path.
 
-    The JSON goes to a temporary file in ``directory`` that is flushed and fsynced, then renamed
-    over the target with ``os.replace`` (atomic on POSIX within one filesystem); the directory is
-    fsynced so the rename survives a crash. On any error the temporary file is removed and the
-    previous alarm file, if any, is left untouched.
+    Written with :func:`~mechmon_megatron.atomic_write.atomic_write` (temporary file, fsync,
+    ``os.replace``): a reader sees the old file or the new one. An ``alarm.json`` of another
+    alarm is first kept as ``alarm_<its id>.json``.
 
     Raises:
         OSError: the directory cannot be created or written.
@@ -266,50 +276,44 @@ def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:
     target = directory / ALARM_FILENAME
     alarm.path = str(target)
     text = json.dumps(alarm.to_dict(), indent=2, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{ALARM_FILENAME}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _keep_other_alarm(target, alarm.alarm_id)
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some filesystems do not open directories; the rename already happened
-        return target
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
-    return target
+    _keep_other_alarm(target, alarm.alarm_id)
+    return atomic_write(target, text)
 
 
 def _keep_other_alarm(target: Path, new_id: str) -> None:
     """Move an ``alarm.json`` of another alarm (e.g. one acknowledged earlier) to
     ``alarm_<its id>.json`` beside it, so the next alarm does not overwrite its report. A
-    re-raise of the same alarm rewrites the file in place."""
+    re-raise of the same alarm rewrites the file in place. A file whose id is not an id (or
+    that is not an alarm record at all) is kept as ``alarm_unreadable.json``."""
     try:
         with open(target, encoding="utf-8") as fh:
-            old_id = str(json.load(fh).get("alarm_id") or "")
-    except (OSError, ValueError, AttributeError):
+            old_id = json.load(fh).get("alarm_id")
+    except FileNotFoundError:
         return
-    if old_id and old_id != new_id:
-        kept = target.with_name(f"alarm_{old_id}.json")
-        if not kept.exists():
-            os.replace(target, kept)
+    except (OSError, ValueError, AttributeError):
+        old_id = None
+    if old_id == new_id:
+        return
+    valid = valid_alarm_id(old_id)
+    kept = target.with_name(f"alarm_{old_id}.json" if valid else "alarm_unreadable.json")
+    if not kept.exists():
+        os.replace(target, kept)
 
 
 def read_alarm_json(path: str | os.PathLike[str]) -> Alarm:
-    """Read an alarm file (or the alarm file inside a directory)."""
+    """Read and check an alarm file (or the alarm file inside a directory).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON or not an alarm record (the message names the file and the
+            field).
+    """
     path = Path(path)
     if path.is_dir():
         path = path / ALARM_FILENAME
     with open(path, encoding="utf-8") as fh:
-        return Alarm.from_dict(json.load(fh))
+        text = fh.read()
+    try:
+        return Alarm.from_dict(json.loads(text))
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path}: {exc}") from None

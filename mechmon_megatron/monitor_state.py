@@ -17,7 +17,8 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.actions import raise_alarm
-from mechmon_megatron.alarm import Alarm, consensus, utc_now
+from mechmon_megatron.alarm import ALARM_FILENAME, Alarm, consensus, utc_now
+from mechmon_megatron.plain_state import StateFileError
 from mechmon_megatron.verdict import Verdict
 
 __all__ = ["StateMixin"]
@@ -28,7 +29,8 @@ logger = logging.getLogger("mechmon_megatron.monitor")
 class StateMixin:
     """State and resume methods of :class:`~mechmon_megatron.monitor.MechMon`."""
 
-    def check_resume(self, checkpoint: str | None = None) -> Verdict | None:
+    def check_resume(self, checkpoint: str | None = None,
+                     alarm_dir: str | None = None) -> Verdict | None:
         """After loading a checkpoint: re-raise an unacknowledged alarm or re-arm detection.
 
         Collective: call on every rank, before the first training step. If the loaded state holds
@@ -38,9 +40,11 @@ class StateMixin:
         detectors are reset to learn fresh baselines, and training continues.
 
         Args:
-            checkpoint: path of the checkpoint just loaded; the alarm file is rewritten beside
-                it (the state inside a checkpoint was captured before its path was known).
-                Without it: where the alarm file was last written, else ``output_dir``.
+            checkpoint: path of the checkpoint just loaded, recorded as the alarm checkpoint
+                when the state did not name one (it was captured before its path was known).
+            alarm_dir: where the re-raised alarm file goes: the new run's save directory
+                (the loaded checkpoint's may be shared or read-only and is left as it is);
+                default ``output_dir``. The path is logged and kept in ``alarm.path``.
 
         Returns:
             ``None`` when no alarm was pending; a :class:`Verdict` carrying the re-raised alarm;
@@ -73,11 +77,11 @@ class StateMixin:
         self.alarm = alarm
         if checkpoint is not None:
             alarm.alarm_checkpoint = alarm.alarm_checkpoint or str(checkpoint)
-            directory = os.path.dirname(os.path.abspath(str(checkpoint)))
-        elif alarm.path:
-            directory = os.path.dirname(alarm.path)
-        else:
-            directory = self._default_alarm_dir()
+        directory = str(alarm_dir) if alarm_dir is not None else self.config.output_dir
+        if leader:
+            logger.error("mechmon: alarm %s is pending in the resumed checkpoint %s; raised again, "
+                         "its alarm file goes to %s", alarm.alarm_id,
+                         alarm.alarm_checkpoint or "?", os.path.join(directory, ALARM_FILENAME))
         exit_requested = raise_alarm(alarm, self.config.actions.on_alarm, self.framework,
                                      group=self.group, alarm_dir=directory, save=False)
         return Verdict(alarm.alarm_step, False, alarm=alarm, exit_requested=exit_requested)
@@ -145,7 +149,8 @@ class StateMixin:
 
     def load_sharded(self, common: Mapping[str, Any] | None,
                      load: Callable[[dict[str, Any]], Mapping[str, torch.Tensor]],
-                     resharded: bool = False) -> bool:
+                     resharded: bool = False, source: str | None = None,
+                     failure: str | None = None) -> bool:
         """Restore :meth:`sharded_state` under this run's layout; collective (``load`` once,
         then one MAX all-reduce), fail-safe as :meth:`load_state_if_all`.
 
@@ -156,9 +161,15 @@ class StateMixin:
             resharded: the layout changed since the save: monitors drop what belongs to the
                 saved rank's shards (``forget_rank_state``: the optim window snapshot and
                 sharpness warm start), since ``common`` is one rank's state.
+            source: the checkpoint or file, for messages.
+            failure: why ``common`` is None when it is not merely absent (an unreadable file).
 
         Returns:
             Whether the state was loaded (else every rank starts on fresh state).
+
+        Raises:
+            StateFileError: on every rank, when some rank's state failed to load (see
+                :meth:`load_state_if_all`).
         """
         templates: dict[str, Any] = {}
         ok, needs = common is not None, False
@@ -172,6 +183,7 @@ class StateMixin:
         except Exception as exc:  # noqa: BLE001 - voted below; the load still runs
             self._error("state load", exc)
             ok, needs, templates = False, False, {}
+            failure = f"{type(exc).__name__}: {exc}"
         # Whether any snapshot was saved, agreed (a rank's common state may be unreadable), so
         # every rank makes the sharded load or none does.
         agreed = comm.all_reduce_max(torch.tensor([int(needs)]), self.group)
@@ -188,8 +200,8 @@ class StateMixin:
                                                     loaded.items() if k.startswith(prefix)})
             except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
                 self._error("state load", exc)
-                ok = False
-        if not self._agree_loaded(ok, fresh):
+                ok, failure = False, f"{type(exc).__name__}: {exc}"
+        if not self._agree_loaded(ok, failure, fresh, source):
             return False
         for monitor in self.monitors if resharded else []:
             if hasattr(monitor, "forget_rank_state"):
@@ -227,15 +239,30 @@ class StateMixin:
         self.monitored_steps = int(counters["monitored_steps"])
         self.errors = int(counters["errors"])
 
-    def load_state_if_all(self, state: Mapping[str, Any] | None) -> bool:
+    def load_state_if_all(self, state: Mapping[str, Any] | None, source: str | None = None,
+                          failure: str | None = None) -> bool:
         """Load ``state`` only if every rank can; collective (one MAX all-reduce).
 
-        Detectors must stay identical across ranks, so a rank whose state is missing,
-        unreadable or fails to load (caught, counted, warned) makes every rank start on fresh
-        baselines: the ranks that loaded roll back to the state they had before. Snapshots
-        saved as ``rebuild`` are then read again from the loaded weights (collective reads;
-        the same layers on every rank: the full state is one copy). Returns whether the state
-        was loaded.
+        Detectors must stay identical across ranks, so every rank starts on fresh baselines
+        when one cannot load: the ranks that loaded roll back to the state they had before.
+        A state that is absent (``None`` without ``failure``: a checkpoint saved without
+        mechmon) starts fresh. One that failed to load (an exception here, or ``failure``: an
+        unreadable file) may hold an unacknowledged alarm, so it raises on every rank unless
+        ``actions.fresh_state`` asks to start afresh. Snapshots saved as ``rebuild`` are then
+        read again from the loaded weights (collective reads; the same layers on every rank:
+        the full state is one copy).
+
+        Args:
+            state: this rank's saved state, or None.
+            source: the checkpoint or file, for messages.
+            failure: why ``state`` is None when it is not merely absent.
+
+        Returns:
+            Whether the state was loaded.
+
+        Raises:
+            StateFileError: on every rank, when some rank's state failed to load and
+                ``actions.fresh_state`` is off (the message names ``source`` and the reason).
         """
         fresh = self.state_dict()
         ok = state is not None
@@ -244,21 +271,39 @@ class StateMixin:
                 self.load_state_dict(state)
             except Exception as exc:  # noqa: BLE001 - voted below, never left half-loaded
                 self._error("state load", exc)
-                ok = False
-        if not self._agree_loaded(ok, fresh):
+                ok, failure = False, f"{type(exc).__name__}: {exc}"
+        if not self._agree_loaded(ok, failure, fresh, source):
             return False
         for monitor, saved in zip(self.monitors, state["monitors"], strict=True):
             if hasattr(monitor, "rebuild_snapshots"):  # collective reads, on every rank
                 monitor.rebuild_snapshots(saved.get("snapshots", {}))
         return True
 
-    def _agree_loaded(self, ok: bool, fresh: Mapping[str, Any]) -> bool:
-        """One MAX all-reduce: True when every rank loaded; else roll back to ``fresh`` (the
-        failed load stays counted)."""
-        missing = comm.all_reduce_max(torch.tensor([0 if ok else 1]), self.group)
-        if int(missing.item()) == 0:
+    def _agree_loaded(self, ok: bool, failure: str | None, fresh: Mapping[str, Any],
+                      source: str | None) -> bool:
+        """One MAX all-reduce of ``[status, failed rank + 1]`` (status 0 loaded, 1 absent,
+        2 failed): True when every rank loaded; else roll back to ``fresh`` (a failed load
+        stays counted), and after a failure raise on every rank unless
+        ``actions.fresh_state``."""
+        status = 0 if ok else (2 if failure is not None else 1)
+        me = comm.global_rank()
+        worst, rank = comm.all_reduce_max(
+            torch.tensor([status, me + 1 if status == 2 else 0]), self.group).tolist()
+        if worst == 0:
             return True
         errors = self.errors
         self.load_state_dict(fresh)
         self.errors = errors
-        return False
+        if worst < 2:
+            return False
+        where = source or "the resumed checkpoint"
+        why = failure if status == 2 else f"see rank {rank - 1}"
+        if getattr(self.config.actions, "fresh_state", False):
+            if status == 2:
+                logger.warning("mechmon: monitor state in %s not restored (%s); starting afresh "
+                               "as actions.fresh_state asks", where, why)
+            return False
+        raise StateFileError(
+            f"mechmon: the monitor state in {where} could not be restored on rank {rank - 1} "
+            f"({why}); it may hold an unacknowledged alarm. Set actions.fresh_state: true to "
+            "resume on a fresh monitor state (a pending alarm in alarm.json is still raised)")

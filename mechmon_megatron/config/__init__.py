@@ -111,6 +111,10 @@ class ActionsConfig:
     """Process exit code after checkpoint_and_exit; SLURM templates never requeue on it."""
     acknowledge: str | None = None
     """Alarm id (from alarm.json) to acknowledge on resume: re-arms on fresh baselines."""
+    fresh_state: bool = False
+    """Resume with a fresh monitor state when the checkpoint's is unreadable (corrupt,
+    truncated, refused); off: such a state file stops the resume with an error naming it. A
+    pending alarm in ``alarm.json`` is raised again either way."""
 
     def __post_init__(self) -> None:
         reason = RESERVED_EXIT_CODES.get(self.exit_code)
@@ -225,12 +229,14 @@ class MechMonConfig:
 
     def config_hash(self) -> str:
         """16 hex digits of the sha256 of the canonical JSON (sorted keys, no spaces) of
-        :meth:`to_dict` without ``actions.acknowledge`` and ``strict`` (acknowledging an alarm
-        or failing on monitor errors does not change what is monitored).
+        :meth:`to_dict` without ``actions.acknowledge``, ``actions.fresh_state`` and ``strict``
+        (acknowledging an alarm, restarting the monitor state or failing on monitor errors does
+        not change what is monitored).
         ``mechmon config validate`` prints it; ``alarm.json`` stores it.
         """
         data = self.to_dict()
-        data["actions"] = {k: v for k, v in data["actions"].items() if k != "acknowledge"}
+        data["actions"] = {k: v for k, v in data["actions"].items()
+                           if k not in ("acknowledge", "fresh_state")}
         data.pop("strict")
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]

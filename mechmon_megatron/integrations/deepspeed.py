@@ -66,6 +66,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.alarm_latch import latch_alarm_file
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.deepspeed_monitors import (
@@ -240,14 +241,17 @@ class DeepSpeedMechMon:
         result = self._originals["load_checkpoint"](load_dir, tag, *args, **kwargs)
         path, client_state = result if isinstance(result, tuple) else (result, None)
         state = (client_state or {}).get(CONFIG_KEY) if path is not None else None
-        if not self.mon.load_state_if_all(state) and path is not None:
+        # DeepSpeed returns the model-states file; the checkpoint is its <load_dir>/<tag> folder.
+        checkpoint = os.path.dirname(str(path)) if path is not None else None
+        if not self.mon.load_state_if_all(state, source=checkpoint) and path is not None:
             warnings.warn(f"mechmon: no monitor state in {path} on every rank; monitoring "
                           "starts on fresh baselines", RuntimeWarning, stacklevel=2)
+            # The alarm file the stopping run wrote beside its checkpoint still latches.
+            latch_alarm_file(self.mon, load_dir, int(self.engine.global_steps))
         self._begun = None
         self._losses = []
-        # DeepSpeed returns the model-states file; the checkpoint is its <load_dir>/<tag> folder,
-        # so a re-raised alarm rewrites <load_dir>/alarm.json where it was first written.
-        self.mon.check_resume(os.path.dirname(str(path)) if path is not None else None)
+        # A re-raised alarm's file goes to this run's save directory, not the loaded one's.
+        self.mon.check_resume(checkpoint, alarm_dir=self.actions.save_dir)
         return result
 
 

@@ -53,7 +53,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
+from mechmon_megatron.alarm_latch import latch_alarm_file
 from mechmon_megatron.config import MechMonConfig, load_config
 from mechmon_megatron.integrations.megatron_core import (
     build_monitors,
@@ -148,7 +148,7 @@ class MechMonCallback:
         atexit.register(self.mon.close)
         self._wrap_save(state)
         self._load_state(state)
-        verdict = self.mon.check_resume()
+        verdict = self.mon.check_resume(alarm_dir=getattr(cfg.checkpoint, "save", None))
         if verdict is not None and verdict.exit_requested:
             self._leave_together()
             raise SystemExit(self.actions.exit_code)
@@ -208,18 +208,8 @@ class MechMonCallback:
             warnings.warn(f"mechmon: monitor state of iteration {iteration} "
                           + ("restored, " if loaded else "not restored, ") + problem,
                           RuntimeWarning, stacklevel=2)
-        if loaded:
-            return
-        # Second latch: an unacknowledged stopping alarm raised at the resumed iteration.
-        alarm_file = os.path.join(load, ALARM_FILENAME)
-        if comm.global_rank() == 0 and os.path.isfile(alarm_file):
-            try:
-                alarm = read_alarm_json(alarm_file)
-            except (OSError, ValueError, TypeError):
-                return
-            if (alarm.alarm_step == iteration and alarm.action == "checkpoint_and_exit"
-                    and alarm.acknowledged_at is None):
-                self.mon.alarm = alarm
+        if not loaded:  # second latch; an unreadable alarm.json is warned about
+            latch_alarm_file(self.mon, load, iteration)
 
     def _leave_together(self) -> None:
         """Flush the sinks (and Bridge's TensorBoard logger) before any rank can leave."""

@@ -76,7 +76,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
+from mechmon_megatron.alarm_latch import latch_alarm_file
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.megatron_core import (
@@ -263,7 +263,7 @@ class MegatronLMHooks:
         self.mon = mon
         atexit.register(mon.close)
         self._load_state(margs)
-        verdict = mon.check_resume()
+        verdict = mon.check_resume(alarm_dir=getattr(margs, "save", None))
         if verdict is not None and verdict.exit_requested:
             self._announce_exit(verdict.alarm, "on resume, before any step")
             self.leave_together()
@@ -284,28 +284,7 @@ class MegatronLMHooks:
                           + ("" if loaded else "; monitoring starts on fresh baselines"),
                           RuntimeWarning, stacklevel=2)
         if not loaded:
-            self._latch_alarm_file(margs.load, iteration)
-
-    def _latch_alarm_file(self, load: str, iteration: int) -> None:
-        """Second latch when the state files are missing: an unacknowledged
-        ``checkpoint_and_exit`` alarm in ``<load>/alarm.json`` raised at the resumed iteration
-        becomes pending on rank 0; ``check_resume`` then agrees on it collectively."""
-        path = os.path.join(load, ALARM_FILENAME)
-        if comm.global_rank() != 0 or not os.path.isfile(path):
-            return
-        try:
-            alarm = read_alarm_json(path)
-        except (OSError, ValueError, TypeError) as exc:
-            warnings.warn(f"mechmon: {path} unreadable ({exc}); not used as a latch",
-                          RuntimeWarning, stacklevel=2)
-            return
-        if (alarm.alarm_step != iteration or alarm.action != "checkpoint_and_exit"
-                or alarm.acknowledged_at is not None):
-            return
-        warnings.warn(f"mechmon: resuming iteration {iteration} without monitor state, but "
-                      f"{path} holds alarm {alarm.alarm_id} raised there: it stays raised",
-                      RuntimeWarning, stacklevel=2)
-        self.mon.alarm = alarm
+            latch_alarm_file(self.mon, margs.load, iteration)
 
     # -- per iteration -------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Beside Megatron's own files, every persistent checkpoint iteration directory gets::
 
-    iter_NNNNNNN/mechmon_rank{r}.pt   rank r's common state (torch.save, written atomically):
+    iter_NNNNNNN/mechmon_rank{r}.pt   rank r's common state (torch.save of tensors and plain
+                                      data, written atomically, read with weights_only=True):
                                       the layout it was saved under, detectors, counters, the
                                       alarm, the monitors' per-rank state (optim window,
                                       sharpness warm start), the snapshots' metadata
@@ -17,6 +18,9 @@ takes rank 0's common state with ``resharded``: the snapshots its heads hold und
 layout are read from ``mechmon/`` by dist_checkpointing's load (any TP / PP / DP mapping of the
 same model), and the per-rank state is dropped (warned). A rank file of an earlier mechmon
 version is not loaded (warned; monitoring starts afresh, the alarm file still latches an alarm).
+A rank file that exists but does not load (truncated, foreign, naming a global the restricted
+loader refuses) stops the resume on every rank with an error naming it, unless
+``actions.fresh_state`` asks for a fresh start (``MechMon.load_sharded``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.atomic_write import atomic_write
+from mechmon_megatron.plain_state import StateFileError, load_state_file, plain_state
 
 __all__ = ["SHARD_DIR", "state_path", "current_layout", "save_state", "load_state",
            "row_sharded"]
@@ -107,23 +113,27 @@ def save_state(mon: Any, directory: str, iteration: int | None = None) -> None:
         dist_checkpointing.save({k: row_sharded(k, v) for k, v in rows.items()}, shard_dir)
     path = state_path(directory, rank)
     try:
-        os.makedirs(directory, exist_ok=True)
-        torch.save({"format": _FORMAT, "world_size": comm.world_size(), "rank": rank,
-                    "layout": current_layout(), "mechmon": common}, f"{path}.tmp")
-        os.replace(f"{path}.tmp", path)
-    except OSError as exc:
+        record = plain_state({"format": _FORMAT, "world_size": comm.world_size(), "rank": rank,
+                              "layout": current_layout(), "mechmon": common}, "mechmon_state")
+        atomic_write(path, lambda fh: torch.save(record, fh))
+    except (OSError, TypeError) as exc:
         warnings.warn(f"mechmon: could not write {path} ({exc}); a resume from this checkpoint "
                       "starts monitoring afresh", RuntimeWarning, stacklevel=2)
 
 
-def _read(path: str) -> tuple[dict[str, Any] | None, str | None]:
+def _read(path: str) -> tuple[dict[str, Any] | None, str | None, bool]:
+    """``(state, problem, unreadable)``: a missing file is absent; one that exists but does not
+    load with ``weights_only=True`` (truncated, foreign, naming any other global) is unreadable
+    and nothing of it runs."""
     if not os.path.isfile(path):
-        return None, f"{path} not found"
+        return None, f"{path} not found", False
     try:
-        # Written by save_state (nested dicts/lists/tensors/str).
-        return torch.load(path, map_location="cpu", weights_only=False), None
-    except Exception as exc:  # noqa: BLE001 - a bad file must not stop the job
-        return None, f"{path} unreadable ({type(exc).__name__}: {exc})"
+        saved = load_state_file(path)
+    except StateFileError as exc:
+        return None, str(exc), True
+    if not isinstance(saved, dict) or not isinstance(saved.get("mechmon"), dict):
+        return None, f"{path}: not a mechmon state file", True
+    return saved, None, False
 
 
 def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
@@ -135,11 +145,13 @@ def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
         and why not, or what was dropped, for a warning.
     """
     layout = current_layout()
-    saved, problem = _read(state_path(directory, comm.global_rank()))
+    saved, problem, unreadable = _read(state_path(directory, comm.global_rank()))
     same = saved is not None and saved.get("layout") == layout
     resharded = bool(comm.all_reduce_max(torch.tensor([int(not same)]), mon.group).item())
-    if resharded:
-        saved, problem = _read(state_path(directory, 0))
+    failure = problem if unreadable else None
+    if resharded and failure is None:
+        saved, problem, unreadable = _read(state_path(directory, 0))
+        failure = problem if unreadable else None
         if saved is not None and saved.get("layout") != layout:
             problem = (f"saved under layout {saved.get('layout')}, resumed under {layout}: "
                        "snapshots resharded, per-rank optimizer-monitor state dropped")
@@ -159,7 +171,9 @@ def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
                                        shard_dir)
 
     common = _checked(mon, None if saved is None else saved["mechmon"])
-    return mon.load_sharded(common, load, resharded=resharded), problem
+    loaded = mon.load_sharded(common, load, resharded=resharded, source=directory,
+                              failure=failure)
+    return loaded, problem
 
 
 def _checked(mon: Any, common: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.atomic_write import atomic_write
+from mechmon_megatron.plain_state import StateFileError, load_state_file, plain_state
 
 __all__ = [
     "TRACKER_FILENAME",
@@ -77,8 +79,12 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     return iteration_dir(path, step)
 
 
+def _rank_file_of(path: Path, rank: int) -> Path:
+    return path / f"rank_{rank:05d}.pt"
+
+
 def _rank_file(path: Path) -> Path:
-    return path / f"rank_{comm.global_rank():05d}.pt"
+    return _rank_file_of(path, comm.global_rank())
 
 
 def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn.Module,
@@ -89,7 +95,8 @@ def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn
         save_dir: the save directory (created if absent).
         step: iteration number (the directory name and the tracker's content).
         model: a megatron-core module with ``sharded_state_dict()``.
-        rank_state: anything ``torch.save`` takes; written to ``rank_XXXXX.pt``.
+        rank_state: tensors plus plain data (:func:`~mechmon_megatron.plain_state.plain_state`);
+            written to ``rank_XXXXX.pt`` atomically.
         sharded: a sharded state dict (megatron ``ShardedTensor`` leaves) saved as ``state``.
 
     Returns:
@@ -108,16 +115,10 @@ def save_checkpoint(save_dir: str | os.PathLike[str], step: int, model: torch.nn
             (path / "state").mkdir(exist_ok=True)
         comm.barrier()
         dist_checkpointing.save(sharded, str(path / "state"))
-    target = _rank_file(path)
-    tmp = target.with_suffix(".tmp")
-    torch.save(rank_state, tmp)
-    os.replace(tmp, target)
+    atomic_write(_rank_file(path), lambda fh: torch.save(plain_state(rank_state), fh))
     comm.barrier()
     if leader:
-        tracker = Path(save_dir) / TRACKER_FILENAME
-        tmp_tracker = tracker.with_suffix(".tmp")
-        tmp_tracker.write_text(f"{int(step)}\n")
-        os.replace(tmp_tracker, tracker)
+        atomic_write(Path(save_dir) / TRACKER_FILENAME, f"{int(step)}\n")
     comm.barrier()
     return str(path)
 
@@ -131,24 +132,41 @@ def load_checkpoint(path: str | os.PathLike[str], model: torch.nn.Module,
     this rank's own file; otherwise rank 0's, with ``resharded`` true: only its
     layout-independent entries apply, the optimizer and snapshots come from :func:`load_state`.
 
+    Rank files are read with ``torch.load(weights_only=True)``
+    (:func:`~mechmon_megatron.plain_state.load_state_file`): nothing in them runs.
+
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or a rank file missing for the same layout.
+        StateFileError: a rank file is truncated, not a torch file, or names a global the
+            restricted loader refuses (on every rank, naming the file).
     """
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint(path)
     rank_file, first = _rank_file(path), path / "rank_00000.pt"
-    saved = torch.load(first, map_location="cpu", weights_only=False)
+    saved = load_state_file(first)  # the same file on every rank: the same outcome
+    if not isinstance(saved, dict) or "layout" not in saved:
+        raise StateFileError(f"{first}: not a rank file of the reference trainer")
     same = layout is None or saved["layout"] == layout
-    # Agreed before any load collective, so a missing file stops every rank, not just one.
-    missing = comm.all_reduce_max(torch.tensor([0 if rank_file.is_file() else 1]))
-    if int(missing.item()) and same:
+    state, problem = saved, None
+    if same and rank_file != first and rank_file.is_file():
+        try:
+            state = load_state_file(rank_file)
+        except StateFileError as exc:
+            problem = str(exc)
+    # Agreed before any load collective, so a missing or unreadable file stops every rank.
+    me = comm.global_rank()
+    missing, bad = comm.all_reduce_max(torch.tensor(
+        [0 if rank_file.is_file() else 1, me + 1 if problem else 0])).tolist()
+    if missing and same:
         raise FileNotFoundError(f"{path}: no rank_XXXXX.pt for some rank (this one: "
                                 f"{rank_file.name}); the checkpoint was saved with a different "
                                 "number of ranks")
+    if bad:
+        raise StateFileError(problem or f"{_rank_file_of(path, bad - 1)}: unreadable (see rank "
+                             f"{bad - 1})")
     loaded = dist_checkpointing.load(model.sharded_state_dict(), str(path / "model"))
     model.load_state_dict(loaded)
-    state = torch.load(rank_file, map_location="cpu", weights_only=False) if same else saved
     state["path"] = str(path)
     state["resharded"] = not same
     return state

@@ -9,9 +9,12 @@ state; Adam's moments and mechmon's QK snapshot rows are also saved as sharded t
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
+
+from mechmon_megatron.alarm_latch import latch_alarm_file
 
 __all__ = ["CheckpointState"]
 
@@ -68,8 +71,9 @@ class CheckpointState:
         state = load_checkpoint(self.cfg.checkpoint.load, self.model, self.layout)
         self.data.load_state_dict(state["data"])
         torch.set_rng_state(state["rng"]["torch"])
+        restored = False
         if state["resharded"]:
-            self._load_resharded(state)
+            restored = self._load_resharded(state)
         else:
             self.optimizer.load_state_dict(state["optimizer"])
             get_cuda_rng_tracker().set_states(state["rng"]["tracker"])
@@ -81,16 +85,20 @@ class CheckpointState:
         if self.mon is None:
             return None
         if not state["resharded"]:
-            self.mon.load_sharded(state["mechmon"], lambda rows: load_state(
+            restored = self.mon.load_sharded(state["mechmon"], lambda rows: load_state(
                 state["path"], {"mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
-            ).get("mechmon", {}))
-        return self.mon.check_resume(state["path"])
+            ).get("mechmon", {}), source=state["path"])
+        if not restored:  # the alarm file the stopping run wrote is the record that is left
+            latch_alarm_file(self.mon, os.path.dirname(state["path"]), self.step)
+        # The alarm file of a re-raise goes to this run's save directory: the loaded
+        # checkpoint's may be another run's, shared or read-only.
+        return self.mon.check_resume(state["path"], alarm_dir=str(self.cfg.save_dir()))
 
-    def _load_resharded(self, state: dict[str, Any]) -> None:
+    def _load_resharded(self, state: dict[str, Any]) -> bool:
         """Resume under another TP / DP layout: Adam's moments and mechmon's QK snapshots from
         the checkpoint's sharded ``state`` (the rows this layout holds), the rest from rank 0's
         file (layout-independent). The TP RNG tracker restarts from its seed (dropout streams
-        differ between layouts anyway)."""
+        differ between layouts anyway). Returns whether mechmon's state was restored."""
         from mechmon_megatron.integrations.megatron_state import row_sharded
         from mechmon_megatron.train.checkpoint import load_state, optimizer_sharded
 
@@ -103,8 +111,10 @@ class CheckpointState:
             loaded.update(load_state(state["path"], {"optimizer": template, "mechmon": mech}))
             return loaded.get("mechmon", {})
 
+        restored = False
         if self.mon is not None:
-            self.mon.load_sharded(state["mechmon"], load, resharded=True)
+            restored = self.mon.load_sharded(state["mechmon"], load, resharded=True,
+                                             source=state["path"])
         if "optimizer" not in loaded:
             load({})
         with torch.no_grad():
@@ -113,3 +123,4 @@ class CheckpointState:
                     self.optimizer.state[params[index]][key].copy_(value)
                 self.optimizer.state[params[index]]["step"] = torch.tensor(
                     float(state["iteration"]))  # every parameter steps every iteration
+        return restored

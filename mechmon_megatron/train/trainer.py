@@ -45,6 +45,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import jsonable
+from mechmon_megatron.atomic_write import atomic_write
 from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.train.data import TextData
 from mechmon_megatron.train.state import CheckpointState
@@ -340,5 +341,5 @@ class _Trainer(CheckpointState):
         if self.rank0:
             path = Path(self.cfg.out_dir) / "run.json"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(jsonable(result), indent=2, sort_keys=True) + "\n")
+            atomic_write(path, json.dumps(jsonable(result), indent=2, sort_keys=True) + "\n")
         return result

@@ -67,7 +67,8 @@ def _orchestrate(rank: int, world_size: int, root: str) -> tuple:
     resumed_framework = SavingFramework(os.path.join(root, "save"), rank=rank)
     resumed = make_mon(cfg, faults=(70,), framework=resumed_framework, trip=rank == 1)
     resumed.load_state_dict(state)
-    again = resumed.check_resume(verdict.alarm.alarm_checkpoint)
+    again = resumed.check_resume(verdict.alarm.alarm_checkpoint,
+                                 alarm_dir=os.path.join(root, "save"))
     return (verdict.step, verdict.alarm.alarm_id, verdict.alarm.fault_class,
             verdict.alarm.onset_step, framework.calls, again.alarm.alarm_id,
             resumed_framework.calls, len(mon.sinks))

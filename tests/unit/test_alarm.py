@@ -184,3 +184,27 @@ def test_process_exit_raises_system_exit_with_the_documented_code() -> None:
 def test_an_unknown_action_is_rejected() -> None:
     with pytest.raises(ValueError, match="on_alarm"):
         raise_alarm(make_alarm(), "explode", ProcessExit())
+
+
+@pytest.mark.parametrize("record, field", [
+    ({"alarm_id": "../../x"}, "alarm_id"), ({"alarm_id": "a/b"}, "alarm_id"),
+    ({"alarm_step": "120"}, "alarm_step"), ({"exit_code": 300}, "exit_code"),
+    ({"families": "attn"}, "families"), ({"fault_class": None}, "fault_class")])
+def test_an_alarm_file_that_is_not_an_alarm_record_is_refused_naming_the_file_and_field(
+        tmp_path, record, field) -> None:
+    data = dict(make_alarm().to_dict(), **record)
+    (tmp_path / ALARM_FILENAME).write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"{ALARM_FILENAME}: alarm record: {field}"):
+        read_alarm_json(tmp_path)
+    (tmp_path / ALARM_FILENAME).write_text('{"alarm_id": "0123456789ab", "fault')
+    with pytest.raises(ValueError, match=rf"{ALARM_FILENAME}: "):
+        read_alarm_json(tmp_path)
+
+
+def test_a_new_alarm_over_a_file_whose_id_is_a_path_keeps_it_aside_without_raising(
+        tmp_path) -> None:
+    (tmp_path / ALARM_FILENAME).write_text(json.dumps(dict(make_alarm().to_dict(),
+                                                           alarm_id="../../victim")))
+    write_alarm_json(make_alarm(), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [ALARM_FILENAME, "alarm_unreadable.json"]
+    assert read_alarm_json(tmp_path).alarm_id == make_alarm().alarm_id

@@ -26,6 +26,7 @@ from mechmon_megatron.monitor import (
     MonitorError,
     MonitorProtocolError,
 )
+from mechmon_megatron.plain_state import StateFileError
 from mechmon_megatron.sinks import JsonlSink
 
 
@@ -205,15 +206,20 @@ def _alarm_checkpoint(tmp_path) -> tuple[str, str, int]:
 
 
 def test_resuming_unchanged_raises_the_same_alarm_before_any_step(tmp_path) -> None:
+    """The re-raised alarm's file goes to the new run's save directory; the loaded
+    checkpoint's directory (maybe shared or read-only) is left as it is."""
     state, aid, step = _alarm_checkpoint(tmp_path)
-    framework = SavingFramework(str(tmp_path / "save"))
+    before = (tmp_path / "save" / ALARM_FILENAME).read_text()
+    framework = SavingFramework(str(tmp_path / "resumed"))
     mon = make_mon(make_config(tmp_path, "checkpoint_and_exit"), faults=(70, 160),
                    framework=framework)
     mon.load_state_dict(torch.load(state))
-    verdict = mon.check_resume(os.path.dirname(state))
+    verdict = mon.check_resume(os.path.dirname(state), alarm_dir=str(tmp_path / "resumed"))
     assert verdict.alarm.alarm_id == aid and verdict.alarm.alarm_step == step
     assert verdict.exit_requested and framework.calls == [("exit", 86)]
-    on_disk = json.loads((tmp_path / "save" / ALARM_FILENAME).read_text())
+    assert (tmp_path / "save" / ALARM_FILENAME).read_text() == before
+    assert verdict.alarm.path == str(tmp_path / "resumed" / ALARM_FILENAME)
+    on_disk = json.loads((tmp_path / "resumed" / ALARM_FILENAME).read_text())
     assert on_disk["alarm_id"] == aid and len(on_disk["raised_at"]) == 2
     assert on_disk["exit_code"] == 86 and on_disk["alarm_checkpoint"] == os.path.dirname(state)
 
@@ -327,5 +333,8 @@ def test_a_save_failing_in_a_monitor_gives_a_void_state_that_every_load_refuses(
     with pytest.raises(ValueError, match="not saved completely.*cannot copy"):
         fresh.load_state_dict(saved)
     with pytest.warns(RuntimeWarning, match="state load failed"):
-        assert not fresh.load_state_if_all(saved)  # the state fresh had is kept
+        with pytest.raises(StateFileError, match="could not be restored.*fresh_state"):
+            fresh.load_state_if_all(saved, source="iter_0000004")
+    fresh.config.actions.fresh_state = True  # asked for: every rank starts afresh
+    assert not fresh.load_state_if_all(saved)  # the state fresh had is kept
     assert fresh.monitored_steps == 0

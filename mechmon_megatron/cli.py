@@ -2,7 +2,10 @@
 
 Each command module exposes ``add_parser(subparsers) -> ArgumentParser`` and
 ``run(args) -> int`` (the process exit code); heavy imports (torch, megatron-core) happen inside
-``run``, so ``mechmon --help`` is fast.
+``run``, so ``mechmon --help`` is fast. Every command runs through
+:func:`mechmon_megatron.commands.exit_codes.run_command`: bad input (an argument, a config file,
+a directory) is one line on stderr and exit code 2, whatever the command (the table of exit
+codes is in that module and the README).
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from mechmon_megatron.commands.exit_codes import OneLineParser, run_command
 
 __all__ = ["COMMANDS", "main"]
 
@@ -26,7 +31,7 @@ COMMANDS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="mechmon",
         description="Mechanism-driven monitors for LLM training instability.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -39,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``mechmon`` script; returns the exit code."""
     args = _parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    return run_command(args.command, args._run, args)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ import tempfile
 import time
 from typing import Any
 
+from mechmon_megatron.commands.exit_codes import int_in
+from mechmon_megatron.config.monitors import MAX_INTERVAL
+
 __all__ = ["add_parser", "run", "bench"]
 
 
@@ -39,14 +42,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``bench`` on the CLI's subparsers."""
     parser = subparsers.add_parser("bench", help="monitor share of step time and memory, "
                                    "on/off side by side on the reference model")
-    parser.add_argument("--steps", type=int, default=200, help="steps per run (%(default)s)")
-    parser.add_argument("--intervals", type=int, nargs="+", default=[1, 10, 100],
-                        help="monitor intervals (%(default)s)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
+    positive = int_in(1)
+    parser.add_argument("--steps", type=positive, default=200, help="steps per run (%(default)s)")
+    parser.add_argument("--intervals", type=int_in(1, MAX_INTERVAL), nargs="+",
+                        default=[1, 10, 100], help="monitor intervals (%(default)s)")
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--hidden", type=positive, default=128)
+    parser.add_argument("--heads", type=positive, default=4)
+    parser.add_argument("--seq", type=positive, default=128)
+    parser.add_argument("--batch", type=positive, default=8)
     return parser
 
 
@@ -100,6 +104,14 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         "data": {"global_batch_size": args.batch},
         "mechmon": {"enabled": False},
     })
+    # Every monitor config is built before any training, so a bad value costs no time.
+    mon_cfgs = [load_train_config({"mechmon": {
+        "preset": "dense", "qk": {"interval": interval}, "output_dir": "unused",
+        "actions": {"on_alarm": "log"},
+        "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}}}).mechmon
+        for interval in args.intervals]
+    import dataclasses
+
     import torch
 
     torch.set_num_threads(cfg.threads)
@@ -117,10 +129,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
         off = timed_run(1)
         rows = []
         for i, interval in enumerate(args.intervals):
-            mon_cfg = load_train_config({"mechmon": {
-                "preset": "dense", "qk": {"interval": interval}, "output_dir": scratch,
-                "actions": {"on_alarm": "log"},
-                "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}}}).mechmon
+            mon_cfg = dataclasses.replace(mon_cfgs[i], output_dir=scratch)
             mon = attach(mon_cfg, [trainer.model], trainer.optimizer)
             first = 1 + (i + 1) * args.steps
             mon.begin_step(first - 1)  # untimed: the snapshot W(t - interval) of the first window

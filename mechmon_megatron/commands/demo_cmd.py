@@ -29,6 +29,8 @@ from typing import Any
 
 import yaml
 
+from mechmon_megatron.commands.exit_codes import EXIT_RESULT, UsageError, int_in
+
 __all__ = ["DEMO_CONFIG", "add_parser", "run", "demo_config"]
 
 DEMO_CONFIG: dict[str, Any] = {
@@ -80,8 +82,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "divergence", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="mechmon_demo",
                         help="run directory (default: %(default)s)")
-    parser.add_argument("--steps", type=int, help=f"last step (default {DEMO_CONFIG['steps']})")
-    parser.add_argument("--fault-step", type=int,
+    parser.add_argument("--steps", type=int_in(1),
+                        help=f"last step (default {DEMO_CONFIG['steps']})")
+    parser.add_argument("--fault-step", type=int_in(0),
                         help=f"first faulty step (default {DEMO_CONFIG['fault']['start_step']})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--print-config", action="store_true",
@@ -104,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     from mechmon_megatron.train.trainer import run as train
 
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        print(f"mechmon demo: {out} is not empty; choose another --out", flush=True)
-        return 2
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UsageError(f"--out {out}: {'not empty' if out.is_dir() else 'not a directory'}; "
+                         "choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     train_cfg = load_train_config(cfg)
     (out / "config.yaml").write_text(yaml.safe_dump(
@@ -119,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     plot = plot_run(out, out / "demo.png")
     print(_summary(result, out, plot))
     if result.alarm is None:
-        return 1
+        return EXIT_RESULT
     return result.exit_code
 
 

@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mechmon_megatron.commands.exit_codes import UsageError, from_file, int_in
+
 __all__ = ["add_parser", "run"]
 
 
@@ -39,7 +41,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help="alias of --campaign quick")
     parser.add_argument("--config", metavar="FILE",
                         help="mechmon config of the runs (default: the shipped defaults)")
-    parser.add_argument("--jobs", type=int, default=1,
+    parser.add_argument("--jobs", type=int_in(1), default=1,
                         help="runs trained in parallel processes (default %(default)s)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -52,7 +54,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the drill; 0 when every target is met, 1 otherwise, 2 on a usage error."""
+    """Run the drill; 0 when every target is met, 1 otherwise (bad input raises: the CLI
+    prints it on one line and exits 2)."""
     from mechmon_megatron.drill import (
         build_campaign,
         emulation_check,
@@ -63,14 +66,14 @@ def run(args: argparse.Namespace) -> int:
 
     start = time.time()
     if args.quick and args.campaign not in (None, "quick"):
-        print(f"mechmon drill: --quick contradicts --campaign {args.campaign}", flush=True)
-        return 2
+        raise UsageError(f"--quick contradicts --campaign {args.campaign}")
     source = "quick" if args.quick else (args.campaign or "full")
-    try:
-        campaign = build_campaign(load_campaign(source), args.config)
-    except (ValueError, OSError) as exc:
-        print(f"mechmon drill: {exc}", flush=True)
-        return 2
+    spec = from_file(source, load_campaign)
+    if args.config is not None:
+        from mechmon_megatron.config import load_config
+
+        from_file(args.config, load_config)
+    campaign = build_campaign(spec, args.config)
     out = Path(args.out)
     if args.rescore or args.budgets:
         return _rescore(args, campaign, out)
@@ -101,23 +104,19 @@ def _rescore(args: argparse.Namespace, campaign: Any, out: Path) -> int:
     from mechmon_megatron.scan.output import publish
 
     if not args.rescore:
-        print("mechmon drill: --budgets needs --rescore", flush=True)
-        return 2
+        raise UsageError("--budgets needs --rescore")
     missing = missing_runs(campaign, out)
     if missing:
-        print(f"mechmon drill: --rescore: {len(missing)} run(s) not finished under {out} with "
-              f"this campaign: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}",
-              flush=True)
-        return 2
+        raise UsageError(f"--rescore: {len(missing)} run(s) not finished under {out} with this "
+                         f"campaign: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     if args.budgets:
         try:
             budgets = [float(b) for b in args.budgets.split(",")]
             if not all(0 < b < float("inf") for b in budgets):
                 raise ValueError
         except ValueError:
-            print(f"mechmon drill: --budgets: invalid value {args.budgets!r}; allowed: numbers "
-                  "> 0 separated by commas", flush=True)
-            return 2
+            raise UsageError(f"--budgets: invalid value {args.budgets[:60]!r}; allowed: numbers "
+                             "> 0 separated by commas") from None
         spec = load_campaign("quick" if args.quick else (args.campaign or "full"))
         rows = operating_characteristic(spec, out, budgets, args.config)
         text = render_characteristic(rows)

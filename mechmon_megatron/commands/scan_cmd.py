@@ -6,13 +6,26 @@ Finds the checkpoints (Megatron torch_dist or legacy ``mp_rank_XX``, DeepSpeed, 
 state dicts) in step order, computes for each consecutive pair the QK-update spectra (the live
 monitor's signals), the router-weight geometry and the update ratios, replays the detectors and
 writes ``scan.jsonl``, ``scan.md`` and ``scan.png`` (default ``RUN_OR_CKPT_DIR/scan``). Exit
-code 0 when silent, 1 when the detectors alarm, 2 on bad input (nothing written).
+code 0 when silent, 1 when the detectors alarm, 2 on bad input (nothing written; one line on
+stderr), 3 when nothing was judged: every pair went into the baseline (``--warmup-samples`` at
+or above the number of pairs), so silence would mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
+
+from mechmon_megatron.commands.exit_codes import (
+    EXIT_NOT_JUDGED,
+    EXIT_OK,
+    EXIT_RESULT,
+    UsageError,
+    from_file,
+    int_in,
+)
+from mechmon_megatron.config.detectors import MAX_WARMUP_SAMPLES
 
 __all__ = ["add_parser", "run"]
 
@@ -30,39 +43,52 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--model-config", help="attention shape when the checkpoints do not "
                         "carry it: YAML/JSON with num_attention_heads, num_query_groups, "
                         "kv_channels (a reference-trainer config or an HF config.json work too)")
-    parser.add_argument("--warmup-samples", type=int,
+    parser.add_argument("--warmup-samples", type=int_in(3, MAX_WARMUP_SAMPLES),
                         help="pairs forming the detectors' baseline (default: the config's "
                         "warmup_samples, at most a third of the pairs, at least 4)")
     parser.add_argument("--no-update-ratios", action="store_true",
                         help="read only the Q/K and router tensors (skip the update ratios)")
     parser.add_argument("--no-plots", action="store_true", help="skip scan.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--threads", type=int, default=0,
+    parser.add_argument("--threads", type=int_in(0), default=0,
                         help="torch intra-op threads (default 0: torch's choice; 1 is best on "
                         "a busy machine)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
-    """Scan; 0 when silent, 1 on an alarm, 2 on bad input."""
+    """Scan; 0 when silent, 1 on an alarm, 3 when nothing was judged (bad input raises: the
+    CLI prints it on one line and exits 2)."""
     import torch
 
-    from mechmon_megatron.scan import ScanError, scan
+    from mechmon_megatron.config import load_config
+    from mechmon_megatron.scan import scan
 
+    if not Path(args.run_dir).is_dir():
+        what = "no such directory" if not Path(args.run_dir).exists() else "not a directory"
+        raise UsageError(f"{args.run_dir}: {what}; allowed: a run directory or a checkpoint "
+                         "save directory")
+    if args.config is not None:
+        from_file(args.config, load_config)
     if args.threads:
         torch.set_num_threads(args.threads)
-    try:
-        result = scan(args.run_dir, out=args.out, config=args.config,
-                      model_config=args.model_config, ratios=not args.no_update_ratios,
-                      warmup_samples=args.warmup_samples, progress=not args.no_progress,
-                      plots=not args.no_plots)
-    except (ScanError, ValueError, FileNotFoundError) as exc:
-        print(f"mechmon scan: {exc}", flush=True)
-        return 2
+    result = scan(args.run_dir, out=args.out, config=args.config,
+                  model_config=args.model_config, ratios=not args.no_update_ratios,
+                  warmup_samples=args.warmup_samples, progress=not args.no_progress,
+                  plots=not args.no_plots)
     alarm = result.alarm
-    verdict = (f"alarm at step {alarm['alarm_step']} (onset {alarm['onset_step']}): "
-               f"{alarm['fault_class']}" if alarm else "silent")
-    print(f"mechmon scan: {len(result.rows)} checkpoint pairs, {verdict}", flush=True)
+    pairs, warmup = len(result.rows), result.replay.warmup_samples
+    if alarm is not None:
+        verdict = (f"alarm at step {alarm['alarm_step']} (onset {alarm['onset_step']}): "
+                   f"{alarm['fault_class']}")
+    elif pairs <= warmup:
+        verdict = (f"nothing judged: all {pairs} pairs form the baseline ({warmup} warm-up "
+                   "samples); scan more checkpoints or lower --warmup-samples")
+    else:
+        verdict = "silent"
+    print(f"mechmon scan: {pairs} checkpoint pairs, {verdict}", flush=True)
     for path in result.files:
         print(f"mechmon scan: wrote {path}", flush=True)
-    return 1 if alarm else 0
+    if alarm is not None:
+        return EXIT_RESULT
+    return EXIT_NOT_JUDGED if pairs <= warmup else EXIT_OK

@@ -16,6 +16,8 @@ import argparse
 import os
 from typing import Any
 
+from mechmon_megatron.commands.exit_codes import from_file, int_in
+
 __all__ = ["add_parser", "run"]
 
 
@@ -25,7 +27,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                                    "mechmon attached (torchrun for TP/EP/DP)")
     parser.add_argument("--config", required=True, help="trainer config (YAML or JSON)")
     parser.add_argument("--out", help="run directory (overrides out_dir)")
-    parser.add_argument("--steps", type=int, help="last step (overrides steps)")
+    parser.add_argument("--steps", type=int_in(1), help="last step (overrides steps)")
     parser.add_argument("--load", help="checkpoint to resume: an iter_XXXXXXX or save directory")
     parser.add_argument("--acknowledge", metavar="ALARM_ID",
                         help="acknowledge this alarm on resume (mechmon.actions.acknowledge)")
@@ -33,13 +35,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; returns the run's exit code."""
+    """Train; returns the run's exit code (bad input raises: the CLI prints it on one line and
+    exits 2)."""
     import dataclasses
 
     from mechmon_megatron.train.train_config import load_train_config
     from mechmon_megatron.train.trainer import run as train
 
-    cfg = load_train_config(args.config)
+    cfg = from_file(args.config, load_train_config)
     if args.out is not None:
         cfg = dataclasses.replace(cfg, out_dir=args.out)
     if args.steps is not None:

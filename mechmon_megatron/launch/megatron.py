@@ -25,6 +25,7 @@ import runpy
 import sys
 from collections.abc import Sequence
 
+from mechmon_megatron.commands.exit_codes import one_line
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.integrations import megatron_lm
 
@@ -77,9 +78,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"{megatron_lm.FLAG} FILE is required")
         if not os.path.isfile(script):
             raise ValueError(f"{script}: no such training script")
-        config = megatron_lm.load_mechmon_config(config_path)
     except ValueError as exc:
         print(f"mechmon: error: {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    try:
+        config = megatron_lm.load_mechmon_config(config_path)
+    except ValueError as exc:  # a missing file, a YAML syntax error, an invalid field
+        print(f"mechmon: error: {one_line(exc)}", file=sys.stderr)
         return 2
     return run(script, rest, config, cpu=cpu)
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mechmon_megatron.config.fields import require
+
 __all__ = ["ModelSpec", "ParallelSpec", "init_parallel", "build_gpt", "destroy_parallel"]
 
 
@@ -28,6 +30,10 @@ class ParallelSpec:
     """Expert-parallel size (carved out of data parallelism)."""
     sequence_parallel: bool = False
     """Shard activations along the sequence inside TP regions (required for MoE with TP > 1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
 
 
 @dataclass
@@ -54,6 +60,25 @@ class ModelSpec:
     seed: int = 1234
     extra: dict = field(default_factory=dict)
     """Further ``TransformerConfig`` fields, passed through unchanged."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                     "seq_length"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        heads, groups = self.num_attention_heads, self.num_query_groups
+        require(self.hidden_size % heads == 0, "hidden_size", self.hidden_size,
+                f"a multiple of num_attention_heads ({heads})")
+        require(groups is None or (groups >= 1 and heads % groups == 0), "num_query_groups",
+                groups, f"null or a divisor of num_attention_heads ({heads})")
+        require(self.ffn_hidden_size is None or self.ffn_hidden_size >= 1, "ffn_hidden_size",
+                self.ffn_hidden_size, "null or an integer >= 1")
+        experts = self.num_moe_experts
+        require(experts is None or experts >= 1, "num_moe_experts", experts,
+                "null or an integer >= 1")
+        require(experts is None or 1 <= self.moe_router_topk <= experts, "moe_router_topk",
+                self.moe_router_topk, f"an integer in 1..num_moe_experts ({experts})")
+        require(self.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", self.moe_aux_loss_coeff,
+                "a number >= 0")
 
 
 def init_parallel(spec: ParallelSpec, seed: int = 1234) -> None:

@@ -76,27 +76,66 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return rows
 
 
+_ALARM_KEYS = ("alarm_id", "fault_class", "onset_step", "alarm_step", "exit_code")
+"""Keys of an alarm record that the report and the plot read."""
+
+
+def _json_file(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+        raise ValueError(f"{path}: unreadable ({' '.join(str(exc).split())[:200]}); allowed: "
+                         "the JSON file mechmon wrote") from None
+
+
+def _check_rows(rows: list[Any], path: Path, needs: dict[str, type]) -> None:
+    for i, row in enumerate(rows):
+        bad = [key for key, kind in needs.items()
+               if not isinstance(row, dict) or not isinstance(row.get(key), kind)
+               or isinstance(row.get(key), bool)]
+        if bad:
+            raise ValueError(f"{path}: record {i + 1} has no {bad[0]!r} "
+                             f"({needs[bad[0]].__name__}); allowed: the lines mechmon wrote")
+
+
+def _check_alarm(alarm: Any, where: str) -> dict[str, Any]:
+    missing = [k for k in _ALARM_KEYS if not isinstance(alarm, dict) or k not in alarm]
+    if missing:
+        raise ValueError(f"{where}: not an alarm record (no {missing[0]!r}); allowed: the "
+                         "alarm.json mechmon wrote")
+    return alarm
+
+
 def read_run(run_dir: str | os.PathLike[str]) -> RunData:
     """Load a run directory.
 
     Raises:
         FileNotFoundError: neither ``metrics.jsonl`` nor ``train.jsonl`` is there.
+        ValueError: a file there is not what mechmon writes (a truncated ``alarm.json``, a
+            ``metrics.jsonl`` record without ``step`` or ``signals``), naming it.
     """
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such directory")
     data = RunData()
     for name, attr in (("metrics.jsonl", "metrics"), ("train.jsonl", "train")):
         if (run_dir / name).is_file():
             setattr(data, attr, read_jsonl(run_dir / name))
     if not data.metrics and not data.train:
         raise FileNotFoundError(f"{run_dir}: no metrics.jsonl or train.jsonl")
+    _check_rows(data.metrics, run_dir / "metrics.jsonl", {"step": int, "signals": dict})
+    _check_rows(data.train, run_dir / "train.jsonl", {"step": int})
     if (run_dir / "run.json").is_file():
-        data.result = json.loads((run_dir / "run.json").read_text())
+        data.result = _json_file(run_dir / "run.json")
+        if not isinstance(data.result, dict):
+            raise ValueError(f"{run_dir / 'run.json'}: not a JSON object")
     for candidate in (run_dir / ALARM_FILENAME, run_dir / "checkpoints" / ALARM_FILENAME):
         if candidate.is_file():
-            data.alarm = json.loads(candidate.read_text())
+            data.alarm = _check_alarm(_json_file(candidate), str(candidate))
             return data
     alarms = [r["alarm"] for r in data.metrics if r.get("alarm")]
-    data.alarm = alarms[-1] if alarms else None
+    data.alarm = (_check_alarm(alarms[-1], f"{run_dir / 'metrics.jsonl'} (last alarm)")
+                  if alarms else None)
     return data
 
 

@@ -224,7 +224,7 @@ def test_a_coherent_drift_alarms_with_attention_attribution_and_a_random_walk_st
 def test_the_cli_exits_2_on_bad_input_and_1_on_an_alarm(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["scan", str(tmp_path / "empty"), "--no-progress"]) == 2
-    assert "no checkpoints found" in capsys.readouterr().out
+    assert "no checkpoints found" in capsys.readouterr().err
     _save_plain(tmp_path / "drift", _weights(list(range(50, 751, 50)), drift_from=450, seed=1))
     code = main(["scan", str(tmp_path / "drift"), "--no-progress", "--no-plots",
                  "--out", str(tmp_path / "o")])

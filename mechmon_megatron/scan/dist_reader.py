@@ -48,6 +48,33 @@ _STACKED = re.compile(r"^((?:decoder|encoder|mtp)\.layers)\.(?!\d+\.)(.+)$")
 _SKIP = ("optimizer.", "rng_state", "rerun_state_machine")
 
 
+_MAX_ELEMENTS = 2**40
+"""Bound on a tensor's elements and on a record's bytes (beyond any model's tensor)."""
+_MAX_LAYERS = 100_000
+"""Bound on the stacked layer axis (the reader loops over it)."""
+_MAX_DIMS = 32
+
+
+def _count(value: Any, bound: int, what: str) -> int:
+    """``value`` as a count in ``0..bound``, else a refusal naming ``what``."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound:
+        raise ScanError(f"{what} is {value!r:.100}: refused (an absurd value for a checkpoint)")
+    return value
+
+
+def _shape(value: Any, what: str) -> tuple[int, ...]:
+    """A tensor shape (or chunk offsets) of at most ``_MAX_DIMS`` counts whose product is at
+    most ``_MAX_ELEMENTS``, else a refusal naming ``what``."""
+    if not isinstance(value, (tuple, list)) or len(value) > _MAX_DIMS:
+        raise ScanError(f"{what} is {value!r:.100}: refused (not a shape)")
+    dims = tuple(_count(v, _MAX_ELEMENTS, what) for v in value)
+    total = 1
+    for dim in dims:
+        total *= dim
+    _count(total, _MAX_ELEMENTS, f"{what} (elements)")
+    return dims
+
+
 def is_dist_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a distributed-checkpoint directory (holds ``.metadata``)."""
     return (Path(path) / ".metadata").is_file()
@@ -92,6 +119,10 @@ class DistReader:
             if rec.get("transform_descriptors"):
                 raise ScanError(f"{self.path}: chunk {idx.get('fqn')} is stored with transforms "
                                 f"{rec['transform_descriptors']} (compressed?); not supported")
+            rec["relative_path"] = self._inside(rec.get("relative_path"), idx.get("fqn"))
+            for field in ("offset", "length"):
+                _count(rec.get(field), _MAX_ELEMENTS, f"{self.path}: the storage {field} of "
+                       f"{idx.get('fqn')}")
             storage[(idx.get("fqn"), tuple(idx.get("offset") or ()))] = rec
         self.entries: dict[str, _Entry] = {}
         for key, md in (meta.get("state_dict_metadata") or {}).items():
@@ -100,17 +131,36 @@ class DistReader:
                 continue
             props = opaque_fields(fields.get("properties"))
             dtype = props.get("dtype", torch.float32)
+            where = f"{self.path}: {key}"
+            shape = _shape(fields.get("size"), where)
             chunks = []
             for chunk in fields["chunks"]:
                 c = opaque_fields(chunk)
-                offsets, sizes = tuple(c["offsets"]), tuple(c["sizes"])
+                offsets = _shape(c.get("offsets"), f"{where} chunk offsets")
+                sizes = _shape(c.get("sizes"), f"{where} chunk sizes")
+                if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                        o + n > dim for o, n, dim in zip(offsets, sizes, shape, strict=True)):
+                    raise ScanError(f"{where}: a chunk at {offsets} of size {sizes} does not "
+                                    f"fit the tensor's shape {shape}")
                 rec = storage.get((key, offsets))
                 if rec is None:
                     raise ScanError(f"{self.path}: no storage record for chunk {offsets} of {key}")
                 chunks.append(_Chunk(offsets, sizes, str(rec["relative_path"]),
                                      int(rec["offset"]), int(rec["length"])))
-            shape = tuple(int(s) for s in fields["size"])
+            if _STACKED.match(key) and len(shape) >= 2 and shape[0] > _MAX_LAYERS:
+                raise ScanError(f"{where}: {shape[0]} stacked layers (more than {_MAX_LAYERS})")
             self._add(key, shape, dtype, tuple(chunks))
+
+    def _inside(self, relative: Any, key: Any) -> str:
+        """``relative`` if it names a file inside the checkpoint directory, else refuse."""
+        if not isinstance(relative, str) or not relative:
+            raise ScanError(f"{self.path}: the storage record of {key} names no file")
+        parts = Path(relative).parts
+        if Path(relative).is_absolute() or ".." in parts or os.path.normpath(relative) in (
+                ".", ""):
+            raise ScanError(f"{self.path}/.metadata: refused: the storage of {key} is "
+                            f"{relative!r:.100}, outside the checkpoint directory")
+        return relative
 
     def _add(self, key: str, shape: tuple[int, ...], dtype: torch.dtype,
              chunks: tuple[_Chunk, ...]) -> None:

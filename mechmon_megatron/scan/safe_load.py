@@ -6,12 +6,16 @@ objects:
 
 - torch files (``torch.save``: Megatron-LM ``model_optim_rng.pt``, ``common.pt``, DeepSpeed
   ``*_model_states.pt``, plain state dicts) go through ``torch.load(weights_only=True)``
-  (tensors, containers, numbers, strings, dtypes) with ``argparse.Namespace`` allowed (Megatron-LM
-  keeps its ``args`` in one). Any other global the file names (an enum of the training framework,
-  a numpy RNG state, a ``BytesIO`` of extra state) becomes an inert :class:`Opaque` placeholder
-  that records its arguments and is never called; the names are listed first with
-  ``torch.serialization.get_unsafe_globals_in_checkpoint``, without unpickling. Files load with
-  ``mmap=True``: tensors are mapped, and only the ones read are paged in.
+  (tensors, storages, containers, numbers, strings, dtypes) with an allow-list on top, read
+  from the file first with ``torch.serialization.get_unsafe_globals_in_checkpoint`` (without
+  unpickling): ``argparse.Namespace`` (Megatron-LM keeps its ``args`` in one) is built; the
+  numpy pieces of an RNG state, ``io.BytesIO`` (TransformerEngine's ``_extra_state``),
+  ``pathlib`` paths and the classes and enums of the training frameworks themselves
+  (``megatron.*``, ``deepspeed.*``, ``transformer_engine.*``, ``apex.*``) become inert
+  :class:`Opaque` placeholders that record their arguments and are never called. Any other
+  global (``builtins.exec``, ``builtins.eval``, ``subprocess.call``, a class of the user's own
+  code...) refuses the file, naming it and the global. Files load with ``mmap=True``: tensors
+  are mapped, and only the ones read are paged in.
 - the ``.metadata`` of a ``torch.distributed.checkpoint`` directory is a plain pickle of
   dataclasses; :func:`load_dcp_metadata` unpickles it with an allow-list (``torch.Size``, dtypes,
   ``OrderedDict``) where every class of ``torch.distributed.checkpoint`` becomes an
@@ -22,6 +26,7 @@ Every refusal raises :class:`ScanError` naming the file and the global it asked 
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import collections
 import io
@@ -85,17 +90,48 @@ def args_mapping(args: Any) -> dict[str, Any] | None:
     return dict(args) if isinstance(args, dict) else None
 
 
+_INERT_PREFIXES = ("megatron.", "deepspeed.", "transformer_engine.", "apex.")
+"""Modules of the training frameworks: their enums and records in a checkpoint (Megatron's
+``AttnBackend`` in ``args``, DeepSpeed's ZeRO stage) load as placeholders."""
+
+_INERT = frozenset({
+    # numpy RNG state (Megatron-LM's rng_state: np.random.get_state()) and scalars
+    "numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+    "numpy.core.multiarray.scalar", "numpy._core.multiarray.scalar",
+    "numpy.ndarray", "numpy.dtype",
+    # TransformerEngine's _extra_state (older versions), paths in saved configs
+    "io.BytesIO", "pathlib.Path", "pathlib.PosixPath", "pathlib.PurePosixPath",
+    "pathlib.WindowsPath", "pathlib.PureWindowsPath",
+})
+"""Globals outside torch's own allow-list that real checkpoints hold; never called."""
+
+
+def _inert(name: str) -> bool:
+    """Whether global ``name`` may load as an inert placeholder (else the file is refused)."""
+    return (name in _INERT or name.startswith("numpy.dtypes.")
+            or name.startswith(_INERT_PREFIXES))
+
+
+def _py3_name(name: str) -> str:
+    """The global the unpickler would import for ``name``: protocol 2 writes some under their
+    Python 2 names (``subprocess.call`` as ``commands.call``), mapped back on load."""
+    module, _, attr = name.rpartition(".")
+    if (module, attr) in _compat_pickle.NAME_MAPPING:
+        return ".".join(_compat_pickle.NAME_MAPPING[(module, attr)])
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{attr}"
+
+
 def safe_torch_load(path: str | os.PathLike[str], mmap: bool = True) -> Any:
-    """``torch.load(path, weights_only=True)`` with unknown globals replaced by placeholders.
+    """``torch.load(path, weights_only=True)`` with the allow-list of the module docstring.
 
     Args:
         path: a ``torch.save`` file.
         mmap: map tensors instead of reading them (zip-format files only; legacy files are
-            read whole).
+            read whole, by torch's restricted loader alone).
 
     Raises:
-        ScanError: the file is not a torch file or the restricted loader still refuses it
-            (the message names the file and torch's reason).
+        ScanError: the file names a global outside the allow-list (the message names the file
+            and the global), is not a torch file, or the restricted loader refuses it.
     """
     path = Path(path)
     allowed: list[Any] = [argparse.Namespace]
@@ -103,6 +139,14 @@ def safe_torch_load(path: str | os.PathLike[str], mmap: bool = True) -> Any:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     except Exception:  # noqa: BLE001 - not a zip file (legacy format): no mmap, no listing
         unsafe, mmap = [], False
+    refused = sorted(_py3_name(n) for n in unsafe if n != "argparse.Namespace"
+                     and not _inert(_py3_name(n)))
+    if refused:
+        raise ScanError(f"{path}: refused by the safe loader: the file names the global "
+                        f"{refused[0]}" + (f" (and {len(refused) - 1} more)" if refused[1:]
+                                            else "")
+                        + ", which is neither a tensor, a plain container nor a type a "
+                        "Megatron or DeepSpeed checkpoint holds; nothing of it was run")
     allowed += [(_opaque_class(name), name) for name in unsafe if name != "argparse.Namespace"]
     try:
         with torch.serialization.safe_globals(allowed):
@@ -113,6 +157,14 @@ def safe_torch_load(path: str | os.PathLike[str], mmap: bool = True) -> Any:
                       lines[0] if lines else type(exc).__name__)
         raise ScanError(f"{path}: refused by the safe loader (torch.load weights_only=True): "
                         f"{reason}") from exc
+
+
+_PATHS = ("Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+
+
+def _path_text(*parts: Any) -> str:
+    """A pickled ``pathlib`` path as the text of its parts (nothing is resolved or opened)."""
+    return "/".join(str(p) for p in parts)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -132,6 +184,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch.serialization" and name == "_get_layout":
             return str  # the layout's name is enough
+        if module == "pathlib" and name in _PATHS:
+            return _path_text  # torch's own writer records its checkpoint_id as a path
         if module == _DCP_MODULE or module.startswith(_DCP_MODULE + "."):
             key = f"{module}.{name}"
             if key not in self.classes:

@@ -28,15 +28,21 @@ from mechmon_megatron.scan.safe_load import args_mapping, safe_torch_load
 __all__ = ["TorchReader", "state_dict_of"]
 
 _CONTAINERS = ("model", "module", "state_dict", "model_state_dict")
+_SCALARS = (type(None), bool, int, float, str, bytes)
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str, out: dict[str, torch.Tensor]) -> None:
+def _flatten(tree: Mapping[str, Any], prefix: str, out: dict[str, torch.Tensor],
+             path: Path) -> None:
     for key, value in tree.items():
         name = f"{prefix}{key}"
         if isinstance(value, torch.Tensor):
             out[name] = value
         elif isinstance(value, Mapping):
-            _flatten(value, name + ".", out)
+            _flatten(value, name + ".", out, path)
+        elif not isinstance(value, _SCALARS) and not name.endswith("_extra_state"):
+            # An object (a placeholder, an enum) where a parameter should be would drop its
+            # layer unseen.
+            raise ScanError(f"{path}: {name} holds {value!r:.80} where a tensor is expected")
 
 
 def state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
@@ -52,7 +58,7 @@ def state_dict_of(obj: Any, path: Path) -> dict[str, torch.Tensor]:
                         "...) are not supported; scan a torch_dist checkpoint instead")
     tree = next((obj[k] for k in _CONTAINERS if isinstance(obj.get(k), Mapping)), obj)
     out: dict[str, torch.Tensor] = {}
-    _flatten(tree, "", out)
+    _flatten(tree, "", out, path)
     if not out:
         raise ScanError(f"{path}: no tensors found (looked under {', '.join(_CONTAINERS)} and "
                         "at the top level)")

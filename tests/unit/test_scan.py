@@ -159,36 +159,80 @@ class _Backend(__import__("enum").Enum):
     flash = 1
 
 
-class _RunsCode:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
+class _Payload:
+    """Pickles as a call of ``func(*args)``: what a malicious checkpoint holds. None of these
+    globals is on torch's own blocklist (os/posix/sys/nt)."""
+
+    def __init__(self, func, *args) -> None:
+        self.func, self.args = func, args
 
     def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
+        return (self.func, self.args)
 
 
-def test_a_checkpoint_whose_pickle_would_run_a_command_is_refused_by_name(tmp_path):
+def _payloads(marker) -> dict[str, _Payload]:
+    import builtins
+    import subprocess
+
+    touch = f"open({str(marker)!r}, 'w').close()"
+    return {"builtins.exec": _Payload(builtins.exec, touch),
+            "builtins.eval": _Payload(builtins.eval, touch),
+            "subprocess.call": _Payload(subprocess.call, ["touch", str(marker)])}
+
+
+@pytest.mark.parametrize("name", ["builtins.exec", "builtins.eval", "subprocess.call"])
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_naming_the_file_and_global(
+        tmp_path, name):
     marker = tmp_path / "pwned"
-    weights = _weights([1, 2])
     os.makedirs(tmp_path / "run")
-    for step, sd in weights.items():
-        torch.save({"model": sd, "args": ARGS, "hook": _RunsCode(str(marker))},
+    for step, sd in _weights([1, 2]).items():
+        torch.save({"model": sd, "args": ARGS, "hook": _payloads(marker)[name]},
                    tmp_path / "run" / f"step_{step}.pt")
-    _assert_refused(tmp_path / "run", r"step_1.pt: refused by the safe loader .*posix.system",
-                    tmp_path / "out")
+    _assert_refused(tmp_path / "run", rf"step_1.pt: refused by the safe loader: the file names "
+                    rf"the global {name}", tmp_path / "out")
     assert not marker.exists()
 
 
-def test_unknown_framework_objects_load_as_inert_placeholders(tmp_path):
-    import enum
-
-    weights = _weights([1, 2])
+def test_an_object_of_a_class_of_the_users_own_code_is_refused(tmp_path):
     os.makedirs(tmp_path / "run")
-    for step, sd in weights.items():
+    for step, sd in _weights([1, 2]).items():
         torch.save({"model": sd, "args": ARGS, "backend": _Backend.flash},
                    tmp_path / "run" / f"step_{step}.pt")
+    _assert_refused(tmp_path / "run", r"step_1.pt: refused .* the global "
+                    r"tests\.unit\.test_scan\._Backend", tmp_path / "out")
+
+
+def test_framework_enums_load_but_not_where_a_weight_should_be(tmp_path):
+    enums = pytest.importorskip("megatron.core.transformer.enums")
+    args = argparse.Namespace(**vars(ARGS), attention_backend=enums.AttnBackend.flash)
+    weights = _weights([1, 2])
+    _save_plain(tmp_path / "run", weights, args)
     assert len(scan(tmp_path / "run", progress=False, plots=False).rows) == 1
-    assert issubclass(_Backend, enum.Enum)
+    for sd in weights.values():
+        sd[QKV.format(1)] = enums.AttnBackend.flash
+    _save_plain(tmp_path / "swapped", weights)
+    _assert_refused(tmp_path / "swapped", rf"{QKV.format(1)} holds .*flash.* where a tensor "
+                    r"is expected", tmp_path / "out")
+
+
+def _dcp_checkpoints(root, steps=(1, 2)) -> list:
+    """Tiny torch.distributed.checkpoint directories (one process, no process group)."""
+    import torch.distributed.checkpoint as dcp
+
+    paths = []
+    for step in steps:
+        path = root / f"iter_{step:07d}"
+        sd = {"decoder.layers.self_attention.linear_qkv.weight": torch.randn(2, 16, 8)}
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+        paths.append(path)
+    return paths
+
+
+def _tamper(path, edit) -> None:
+    """Rewrite ``path/.metadata`` after ``edit(metadata)`` (our own file: plain pickle)."""
+    meta = pickle.loads((path / ".metadata").read_bytes())
+    edit(meta)
+    (path / ".metadata").write_bytes(pickle.dumps(meta))
 
 
 def test_distributed_checkpoint_metadata_naming_a_foreign_global_is_refused(tmp_path):
@@ -196,10 +240,41 @@ def test_distributed_checkpoint_metadata_naming_a_foreign_global_is_refused(tmp_
     for step in (1, 2):
         path = tmp_path / f"iter_{step:07d}"
         path.mkdir()
-        (path / ".metadata").write_bytes(pickle.dumps(_RunsCode(str(marker))))
+        (path / ".metadata").write_bytes(pickle.dumps(_payloads(marker)["builtins.exec"]))
     _assert_refused(tmp_path, r"\.metadata: refused by the safe loader: the metadata names "
-                    r"posix.system", tmp_path / "out")
+                    r"builtins.exec", tmp_path / "out")
     assert not marker.exists()
+
+
+def _escape(meta) -> None:
+    for info in meta.storage_data.values():
+        info.relative_path = "../../victim.distcp"
+
+
+def _absurd_layers(meta) -> None:
+    md = meta.state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
+    md.size = torch.Size([10**12, 16, 8])
+
+
+def _negative(meta) -> None:
+    for md in meta.state_dict_metadata.values():
+        md.chunks[0].sizes = torch.Size([2, -16, 8])
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_escape, r"refused: the storage of .* is '\.\./\.\./victim\.distcp', outside the "
+              r"checkpoint directory"),
+    (_absurd_layers, r"linear_qkv\.weight \(elements\) is \d+: refused"),
+    (_negative, r"chunk sizes is .*-16.*refused")])
+def test_distributed_checkpoint_metadata_leaving_the_directory_or_absurd_is_refused(
+        tmp_path, edit, match):
+    from mechmon_megatron.scan.dist_reader import DistReader
+
+    first, _ = _dcp_checkpoints(tmp_path)
+    assert DistReader(first).tensors()  # the untouched file reads
+    _tamper(first, edit)
+    with pytest.raises(ScanError, match=match):
+        DistReader(first)
 
 
 def test_a_coherent_drift_alarms_with_attention_attribution_and_a_random_walk_stays_silent(

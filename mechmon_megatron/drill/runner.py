@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from typing import Any
 import yaml
 
 from mechmon_megatron.drill.campaign import Campaign, DrillRun
+from mechmon_megatron.drill.spec import is_identifier
 
 __all__ = ["run_dir", "is_done", "train_one", "run_campaign"]
 
@@ -34,8 +36,19 @@ _POLL_S = 1.0
 
 
 def run_dir(out: str | Path, run: DrillRun) -> Path:
-    """Directory of ``run`` under the campaign's output directory."""
-    return Path(out) / "runs" / run.name
+    """Directory of ``run`` under the campaign's output directory.
+
+    Raises:
+        ValueError: ``run.name`` would leave ``<out>/runs`` (the runner empties this
+            directory: nothing outside the output directory is ever removed).
+    """
+    runs = Path(out) / "runs"
+    path = runs / run.name
+    if not is_identifier(run.name) or Path(os.path.abspath(path)).parent != Path(
+            os.path.abspath(runs)):
+        raise ValueError(f"drill run name {run.name!r:.100} is not a directory name under "
+                         f"{runs}")
+    return path
 
 
 def is_done(out: str | Path, run: DrillRun) -> bool:
@@ -50,7 +63,8 @@ def train_one(config: dict[str, Any], out_dir: str, key: str, threads: int = 0) 
 
     Args:
         config: trainer config without ``out_dir``.
-        out_dir: the run directory (emptied first).
+        out_dir: the run directory (emptied first): :func:`run_dir`, never outside the
+            campaign's output directory.
         key: the run's config key, written to ``drill_key`` once the run finished.
         threads: torch threads of this process (0: leave as is).
     """

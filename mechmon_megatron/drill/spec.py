@@ -27,7 +27,8 @@ Schema (defaults in brackets)::
     optim: {lr, min_lr, warmup_steps, schedule, beta1, beta2, clip_grad, ...}   OptimConfig
     data: {global_batch_size, max_bytes, ...}     DataConfig (its ``seed`` is the run's seed)
     faults:                              one run per (fault, seed)
-      - name: str                        report label, unique (e.g. lr_step)
+      - name: str                        report label, unique (e.g. lr_step); fault and model
+                                         names are identifiers (letters, digits, _ . -)
         class: attention|lr|router|compound|fp8_attention    the FaultConfig kind
         model: str                       a key of ``models``
         onset: int | float               first faulty step; a number in (0, 1) is a fraction
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -74,6 +76,7 @@ __all__ = [
     "FaultSpec",
     "CampaignSpec",
     "campaign_path",
+    "is_identifier",
     "load_campaign",
 ]
 
@@ -82,6 +85,16 @@ SHIPPED = ("quick", "full", "long", "dev", "validation")
 """Campaigns shipped as package data (``mechmon_megatron/campaigns/<name>.yaml``)."""
 
 FaultClass = Literal["attention", "lr", "router", "compound", "fp8_attention"]
+
+IDENTIFIER = "an identifier: letters, digits, '_', '.', '-' (not '.' or '..')"
+"""What a fault or model name may be: it names run directories under ``<out>/runs/``."""
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+
+
+def is_identifier(name: Any) -> bool:
+    """Whether ``name`` can name a directory (see :data:`IDENTIFIER`)."""
+    return (isinstance(name, str) and _IDENTIFIER.fullmatch(name) is not None
+            and name not in (".", ".."))
 
 
 @dataclass
@@ -194,13 +207,15 @@ class CampaignSpec:
         require(bool(self.seeds) and len(set(self.seeds)) == len(self.seeds), "seeds",
                 self.seeds, "a non-empty list of distinct integers")
         require(bool(self.models), "models", self.models, "a non-empty mapping of model shapes")
+        for name in self.models:
+            require(is_identifier(name), f"models.{name}", name, IDENTIFIER)
         require(self.parallel.tp * self.parallel.ep * self.parallel.pp == 1, "parallel",
                 dataclasses.asdict(self.parallel),
                 "tp = ep = pp = 1 (the drill runner trains each run in one process)")
         names = [f.name for f in self.faults]
         for i, f in enumerate(self.faults):
             at = f"faults[{i}]"
-            require(bool(f.name), f"{at}.name", f.name, "a non-empty string")
+            require(is_identifier(f.name), f"{at}.name", f.name, IDENTIFIER)
             require((0 < f.onset < 1) or (f.onset >= 1 and f.onset == int(f.onset)),
                     f"{at}.onset", f.onset, "a step >= 1 or a fraction in (0, 1)")
             require(f.model in self.models, f"{at}.model", f.model,

@@ -111,3 +111,37 @@ def test_compound_faults_expect_every_mechanism_they_combine():
 def test_shipped_campaign_files_are_package_data():
     for name in SHIPPED:
         assert campaign_path(name).is_file()
+
+
+@pytest.mark.parametrize("path, value, field", [
+    ("faults.0.name", "../../victim", r"faults\[0\]\.name"),
+    ("faults.0.name", "..", r"faults\[0\]\.name"),
+    ("faults.0.name", "a/b", r"faults\[0\]\.name"),
+    ("faults.0.name", "", r"faults\[0\]\.name")])
+def test_fault_names_are_identifiers_refused_otherwise_naming_the_field(path, value, field):
+    with pytest.raises(ValueError, match=rf"campaign\.{field}: invalid value .*identifier"):
+        load_campaign(_with(path, value))
+
+
+def test_model_names_are_identifiers_refused_otherwise_naming_the_field():
+    data = _with("faults.0.model", "../m")
+    data["models"] = {"../m": data["models"]["dense"]}
+    with pytest.raises(ValueError, match=r"campaign\.models\.\.\./m: invalid value .*identifier"):
+        load_campaign(data)
+
+
+def test_nothing_outside_the_output_directory_is_ever_removed(tmp_path):
+    """A run named ``../../victim`` (past the loader) makes the runner refuse, not rmtree."""
+    import dataclasses
+
+    from mechmon_megatron.drill.runner import run_campaign
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    campaign = build_campaign(load_campaign(_SMALL))
+    bad = dataclasses.replace(campaign.runs[-1], name="../../victim")
+    campaign = dataclasses.replace(campaign, runs=[bad])
+    with pytest.raises(ValueError, match="not a directory name under"):
+        run_campaign(campaign, tmp_path / "out", progress=False, log=lambda _: None)
+    assert (victim / "precious").read_text() == "keep"

@@ -54,6 +54,11 @@ __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 
 LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
 
+PATTERN_SETTINGS = ("signals", "peer_signals", "directions", "signal_bounds", "alarm_above",
+                    "log_signals", "bound_only", "jump_signals")
+"""Settings of a family whose keys or items are signal patterns: a pattern the user set that
+matches no signal of the model is warned about, whichever setting holds it."""
+
 
 def _warn_unmatched(family: str, fam: Any, names: list[str]) -> None:
     """Warn once per pattern the user set for an enabled family that matches none of the model's
@@ -64,13 +69,15 @@ def _warn_unmatched(family: str, fam: Any, names: list[str]) -> None:
     if not own:
         return
     shipped = DetectorsConfig().families()[family]
-    for key in ("signals", "peer_signals"):
+    for key in PATTERN_SETTINGS:
+        # A mapping's patterns are its keys (directions, signal_bounds, alarm_above).
         for pattern in sorted(set(getattr(fam, key)) - set(getattr(shipped, key))):
             regex = compile_pattern(pattern)
             if not any(regex.match(n) for n in own):
+                effect = "it watches nothing" if key == "signals" else "it has no effect"
                 warnings.warn(f"mechmon: detectors.{family}.{key} pattern {pattern!r} matches no "
                               f"signal of this model ({len(own)} {family}/ signals, e.g. "
-                              f"{own[0]!r}); it watches nothing", RuntimeWarning, stacklevel=4)
+                              f"{own[0]!r}); {effect}", RuntimeWarning, stacklevel=4)
 
 
 LOG_FLOOR = 1e-6

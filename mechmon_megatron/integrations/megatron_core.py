@@ -137,7 +137,15 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
 def attach(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any = None,
            actions: Any = None, sinks: Any = None, probe_loss: Any = None,
            has_batch: Any = None) -> Any:
-    """Build the monitors and return an attached :class:`mechmon_megatron.monitor.MechMon`."""
+    """Build the monitors and return an attached :class:`mechmon_megatron.monitor.MechMon`.
+
+    With ``enabled: false`` nothing is built, hooked or gathered: the result is a
+    :class:`~mechmon_megatron.monitor_disabled.DisabledMechMon`, whose calls do nothing.
+    """
+    if not getattr(config, "enabled", True):
+        from mechmon_megatron.monitor_disabled import DisabledMechMon
+
+        return DisabledMechMon(config)
     from mechmon_megatron.monitor import MechMon
 
     monitors = build_monitors(config, model_chunks, optimizer, probe_loss, has_batch)

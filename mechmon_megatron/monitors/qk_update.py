@@ -59,6 +59,26 @@ from mechmon_megatron.monitors.qk_state import (
 
 __all__ = ["QKSource", "QKUpdateMonitor", "layer_stats", "LAYER_TERMS", "LAYER_METRICS"]
 
+def _check_layers(wanted: Any, layers: Mapping[int, int]) -> None:
+    """``qk.layers`` names only attention layers of the model (``layers``, the same on every
+    rank, so every rank raises alike, before any collective of the monitor)."""
+    if wanted == "all":
+        return
+    missing = sorted(set(wanted) - set(layers))
+    if missing:
+        have = sorted(layers)
+        span = (f"{have[0]}..{have[-1]}" if have and have == list(range(have[0], have[-1] + 1))
+                else _listed(have))
+        raise ValueError(f"mechmon.qk.layers: invalid value [{_listed(list(wanted))}]; allowed: "
+                         f"attention layers of this model ({len(have)} layers: {span}); "
+                         f"layer(s) {_listed(missing)} do not exist")
+
+
+def _listed(values: list[int], most: int = 12) -> str:
+    text = ", ".join(str(v) for v in values[:most])
+    return text + (f", ... ({len(values)} in all)" if len(values) > most else "")
+
+
 class QKUpdateMonitor(QKObserve):
     """Monitor of ``W_Q W_K^T`` updates (see the module docstring for its signals).
 
@@ -92,9 +112,11 @@ class QKUpdateMonitor(QKObserve):
         self.dp_rank, self.dp_size, self.dp_group = int(dp_rank), int(dp_size), dp_group
         self.interval = int(config.interval)
         wanted = config.layers
-        self.sources = [s for s in sources if wanted == "all" or s.layer in wanted]
+        sources = list(sources)
         layers = dict(all_layers) if all_layers is not None else {
-            s.layer: s.num_heads for s in self.sources}
+            s.layer: s.num_heads for s in sources}
+        _check_layers(wanted, layers)
+        self.sources = [s for s in sources if wanted == "all" or s.layer in wanted]
         self.layers = {k: v for k, v in layers.items() if wanted == "all" or k in wanted}
         self.terms = [t for t in ("delta2", "delta3", "delta1", "dwq", "dwk") if t in config.terms]
         sketch = config.layer_sketch

@@ -16,7 +16,7 @@ import argparse
 import os
 from typing import Any
 
-from mechmon_megatron.commands.exit_codes import from_file, int_in
+from mechmon_megatron.commands.exit_codes import UsageError, from_file, int_in
 
 __all__ = ["add_parser", "run"]
 
@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     if args.acknowledge is not None:
         actions = dataclasses.replace(cfg.mechmon.actions, acknowledge=args.acknowledge)
         cfg = dataclasses.replace(cfg, mechmon=dataclasses.replace(cfg.mechmon, actions=actions))
+    _check_world(cfg.parallel, int(os.environ.get("WORLD_SIZE", "1")))
     result = train(cfg)
     if int(os.environ.get("RANK", "0")) == 0:
         alarm = result.alarm
@@ -63,3 +64,13 @@ def run(args: argparse.Namespace) -> int:
                      f"{alarm['alarm_step']}; checkpoint {result.checkpoint}")
         print(text + f"\n  run directory {result.out_dir}", flush=True)
     return result.exit_code
+
+
+def _check_world(parallel: Any, world: int) -> None:
+    """The layout fits the world: tp x pp divides it and EP divides the data-parallel rest."""
+    model_parallel = parallel.tp * parallel.pp
+    if world % model_parallel or (world // model_parallel) % parallel.ep:
+        raise UsageError(f"train.parallel: invalid value tp={parallel.tp}, pp={parallel.pp}, "
+                         f"ep={parallel.ep} for {world} process(es); allowed: tp x pp dividing "
+                         "the number of processes and ep dividing the data-parallel rest "
+                         "(torchrun --nproc_per_node N)")

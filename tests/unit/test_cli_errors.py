@@ -30,6 +30,7 @@ def _files(root: Path) -> None:
     (root / "inf.yaml").write_text("detectors: {attn: {robust_z: {threshold: .inf}}}\n")
     (root / "train_layers0.yaml").write_text("model: {num_layers: 0}\n")
     (root / "train_nan.yaml").write_text("optim: {lr: .nan}\n")
+    (root / "tp2.yaml").write_text("parallel: {tp: 2}\n")
     (root / "plain.txt").write_text("hello\n")
     (root / "ckpts").mkdir()
     run = root / "trunc_alarm"
@@ -87,6 +88,8 @@ CASES = [
     (["train", "--config", "train_nan.yaml"], r"train\.optim\.lr: invalid value nan; allowed: "
                                               r"a finite number"),
     (["train", "--config", "tiny.yaml", "--steps", "0"], r"argument --steps: invalid value"),
+    (["train", "--config", "tp2.yaml"], r"train\.parallel: invalid value tp=2, pp=1, ep=1 for 1 "
+                                        r"process\(es\)"),
     (["demo", "--steps", "0"], r"mechmon demo: error: argument --steps: invalid value '0'"),
     (["demo", "--fault-step", "x"], r"argument --fault-step: invalid value 'x'"),
     (["demo", "--out", "used"], r"mechmon demo: --out used: not empty"),

@@ -50,9 +50,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="read only the Q/K and router tensors (skip the update ratios)")
     parser.add_argument("--no-plots", action="store_true", help="skip scan.png")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--threads", type=int_in(0), default=0,
-                        help="torch intra-op threads (default 0: torch's choice; 1 is best on "
-                        "a busy machine)")
+    # One thread by default: the scan's work is small SVDs and streamed norms, which gain little
+    # from threads, while torch's own choice (every core) spins on a loaded machine. Measured on
+    # 2 shared cores (load ~12), 7 pairs of a 4 x 512 model: 24-28 s with 1 thread, 571 s with
+    # torch's 2.
+    parser.add_argument("--threads", type=int_in(0), default=1,
+                        help="torch intra-op threads (default 1: never oversubscribes a busy "
+                        "machine; 0: torch's choice, every core)")
     return parser
 
 

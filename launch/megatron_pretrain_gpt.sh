@@ -6,7 +6,8 @@
 #
 # Added: --save/--load $CHECKPOINT_DIR and --exit-signal-handler. Exit code: 86 (mechmon alarm;
 # the alarm file is printed), else torchrun's. torchrun turns a worker's 86 into 1, so an alarm is
-# also recognised by a alarm.json in $CHECKPOINT_DIR written during this run.
+# also recognised by an alarm.json in $CHECKPOINT_DIR written during this run whose action is
+# checkpoint_and_exit (mechmon_is_alarm in slurm/common.sh).
 # Several nodes: slurm/megatron_lm.sbatch.
 #
 # Environment overrides (defaults in brackets):
@@ -38,7 +39,7 @@ rc=0
   --save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR" --exit-signal-handler || rc=$?
 
 alarm="$(mechmon_fresh_alarm "$CHECKPOINT_DIR" "$STAMP")"
-if [[ "$rc" == "$MECHMON_EXIT_CODE" ]] || { [[ "$rc" != 0 ]] && [[ -n "$alarm" ]]; }; then
+if mechmon_is_alarm "$rc" "$alarm"; then
   if [[ -n "$alarm" ]]; then
     mechmon_alarm_report "$alarm"
   fi

@@ -11,8 +11,11 @@
 #   never      <- alarm (exit code MECHMON_EXIT_CODE, default 86): the alarm report is printed;
 #                 NVRx no-restart (exit MECHMON_NVRX_NO_RESTART_EXIT_CODE, default 93)
 #
-# torchrun reports any failed worker as exit code 1, so the alarm is also recognised by a
-# alarm.json under MECHMON_ALARM_DIR that is newer than the start of this attempt.
+# torchrun reports any failed worker as exit code 1 (its summary lists each rank's exitcode 86 on
+# stderr; its error_file stays empty: a worker that leaves by sys.exit records nothing), so the
+# alarm is also recognised by an alarm.json under MECHMON_ALARM_DIR that is newer than the start
+# of this attempt and whose action is checkpoint_and_exit. A fresh alarm.json of a logged alarm
+# (action log / warn: training went on) is a report: a later crash stays a crash.
 #
 # NVRx ft_launcher (TORCHRUN=ft_launcher): it restarts workers after any non-zero exit, so under
 # it mechmon's workers leave an alarm with exit 0 and ft_launcher ends the job; a clean exit with
@@ -161,13 +164,22 @@ with open(sys.argv[1], encoding="utf-8") as fh:
 EOF
 }
 
+# True if an attempt that ended with status $1 was stopped by a mechmon alarm: the workers' own
+# code (MECHMON_EXIT_CODE: the launcher without torchrun, srun with one task per GPU), or a fresh
+# alarm file $2 (may be empty) whose action is checkpoint_and_exit, whatever the status (torchrun
+# exits 1 for workers that exit 86; under ft_launcher the workers exit 0).
+mechmon_is_alarm() {
+  local rc=$1 alarm_file=$2
+  [[ "$rc" == "$MECHMON_EXIT_CODE" ]] \
+    || { [[ -n "$alarm_file" ]] && mechmon_alarm_stops "$alarm_file"; }
+}
+
 # Classify one attempt. Args: exit status, preempted (0/1), fresh alarm file (may be empty),
 # comma-separated bad nodes (may be empty).
 # Prints one of: alarm | no_restart | preempted | rerun | node_failure | done | failed.
 mechmon_decide() {
   local rc=$1 preempted=$2 alarm_file=$3 bad_nodes=$4
-  if [[ "$rc" == "$MECHMON_EXIT_CODE" ]] || { [[ "$rc" != 0 ]] && [[ -n "$alarm_file" ]]; } \
-    || { [[ "$rc" == 0 ]] && [[ -n "$alarm_file" ]] && mechmon_alarm_stops "$alarm_file"; }; then
+  if mechmon_is_alarm "$rc" "$alarm_file"; then
     echo alarm
   elif [[ "$rc" == "$MECHMON_NVRX_NO_RESTART_EXIT_CODE" ]]; then
     echo no_restart

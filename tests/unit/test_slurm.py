@@ -121,7 +121,7 @@ esac
 """
 
 ALARM = {"alarm_id": "0123456789ab", "fault_class": "attention_entropy_collapse",
-         "onset_step": 1200, "alarm_step": 1300, "exit_code": 86,
+         "onset_step": 1200, "alarm_step": 1300, "exit_code": 86, "action": "checkpoint_and_exit",
          "alarm_checkpoint": "/ckpt/iter_0001300",
          "evidence": [{"signal": "attn/delta2/entropy/layer_3/head_1"}]}
 
@@ -217,6 +217,17 @@ def test_a_logged_alarm_does_not_turn_a_clean_exit_into_an_alarm(job):
     assert "outcome done" in out and not _requeued(calls)
 
 
+def test_a_crash_after_a_logged_alarm_stays_a_crash(job):
+    # on_alarm log / warn writes alarm.json and training goes on: a later failure of the
+    # attempt (torchrun's 1) is not the alarm, and a node failure is still requeued.
+    logged = json.dumps({**ALARM, "action": "warn"})
+    code, out, calls = job("alarm:1", FAKE_ALARM=logged)
+    assert code == 1, out
+    assert "outcome failed" in out and not _requeued(calls)
+    code, out, calls = job("alarm:1", FAKE_ALARM=logged, FAKE_BAD_NODE="node-b")
+    assert code == 0 and "outcome node_failure" in out and _requeued(calls), out
+
+
 def test_nvrx_no_restart_code_93_is_never_requeued(job):
     code, out, calls = job("exit:93")
     assert code == 93, out
@@ -268,17 +279,27 @@ def test_preemption_forwards_sigterm_to_srun_and_requeues(job, sig):
     assert "outcome preempted" in out
 
 
-def test_the_single_node_launcher_reports_an_alarm_behind_torchruns_exit_code_1(tmp_path):
+def _single_node(tmp_path: Path, alarm: dict) -> subprocess.CompletedProcess:
     torchrun = tmp_path / "torchrun"
     torchrun.write_text('#!/bin/bash\necho "torchrun $*" > "$FAKE_LOG"\n'
                         'printf \'%s\' "$FAKE_ALARM" > "$CHECKPOINT_DIR/alarm.json"\n'
                         'exit 1\n')
     torchrun.chmod(0o755)
     env = _clean_env(TORCHRUN=str(torchrun), FAKE_LOG=str(tmp_path / "log"),
-                     FAKE_ALARM=json.dumps(ALARM), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+                     FAKE_ALARM=json.dumps(alarm), CHECKPOINT_DIR=str(tmp_path / "ckpt"),
                      MEGATRON_LM_PATH="/m", MECHMON_CONFIG="/c.yaml", GPUS_PER_NODE="2")
-    proc = subprocess.run(["bash", str(REPO / "launch" / "megatron_pretrain_gpt.sh"), "--bf16"],
+    return subprocess.run(["bash", str(REPO / "launch" / "megatron_pretrain_gpt.sh"), "--bf16"],
                           capture_output=True, text=True, env=env, cwd=tmp_path)
+
+
+def test_the_single_node_launcher_passes_on_a_crash_after_a_logged_alarm(tmp_path):
+    proc = _single_node(tmp_path, {**ALARM, "action": "log"})
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "mechmon alarm report" not in proc.stdout
+
+
+def test_the_single_node_launcher_reports_an_alarm_behind_torchruns_exit_code_1(tmp_path):
+    proc = _single_node(tmp_path, ALARM)
     assert proc.returncode == 86, proc.stdout + proc.stderr
     assert "fault_class: attention_entropy_collapse" in proc.stdout
     cmd = (tmp_path / "log").read_text()

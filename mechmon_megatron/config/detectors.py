@@ -160,6 +160,11 @@ class FamilyDetectorConfig:
     median of its previous ``jump_window`` samples (detect/jumps.py), so a slow drift by design
     (the loss falling, the grad norm rising under weight decay late in a cosine schedule)
     never accumulates against a baseline formed early in the run."""
+    pooled_signals: list[str] = field(default_factory=list)
+    """Signals (patterns) pooled into one statistic per layer, ``<family>/pooled/layer_<L>``:
+    the mean of their oriented z's (peer signals against their pack), judged by the family's
+    rules against its own baseline, which follows slow drift (detect/pooled.py). The pooled
+    signals' own rules are off; each layer counts once in the false-alarm budget."""
     jump_window: int = 5
     """Previous samples the trailing median of ``jump_signals`` is taken over."""
     baseline: BaselineConfig | None = None
@@ -194,6 +199,9 @@ def _attn_family() -> FamilyDetectorConfig:
         direction="down",
         directions={"attn/coherence/**": "up"},
         peer_signals=list(_ATTN_ENTROPIES),
+        # A biased kernel moves every entropy of its layer and the update cosine a little, and
+        # spreads to the other layers: one statistic per layer, against its peers and itself.
+        pooled_signals=[*_ATTN_ENTROPIES, "attn/coherence/cos/layer_*/max"],
         # Peer log-ratios are scale-free and the cosine lives in [-1, 1]: a scale floor of
         # 0.02 (2% of the peers' level, 0.02 in cosine) keeps the small wobbles of
         # a short warm-up from reading as large z; slow drift of the peer offsets is tracked.
@@ -377,7 +385,8 @@ class DetectorsConfig:
                     pattern,
                     f"a pattern starting with '{key}/'",
                 )
-            for name in ("alarm_above", "log_signals", "bound_only", "jump_signals"):
+            for name in ("alarm_above", "log_signals", "bound_only", "jump_signals",
+                         "pooled_signals"):
                 for pattern in getattr(fam, name):
                     require(pattern.startswith(key + "/"), f"{key}.{name}", pattern,
                             f"patterns starting with '{key}/'")

@@ -49,6 +49,7 @@ from mechmon_megatron.detect.detectors import (
 )
 from mechmon_megatron.detect.jumps import TrailingJump
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
+from mechmon_megatron.detect.pooled import LayerPool, pooled_channel, pooled_name
 
 __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 
@@ -151,9 +152,25 @@ class DetectorBank:
         """Signals judged for jumps against their trailing window (``jump_signals``)."""
         self.peers = PeerGroups(name for name, _, fam in watched
                                 if _matches(name, fam.peer_signals))
-        priced = sum(not _matches(name, fam.bound_only) for name, _, fam in watched)
+        # A layer with two or more pooled signals gets one pooled statistic; its signals'
+        # own rules are off (a lone signal keeps its rules: a mean of one is itself).
+        members: dict[tuple[str, str], list[str]] = {}
         for name, family, fam in watched:
-            self._family_channel(name, family, self._resolved(fam, family, priced))
+            if _matches(name, fam.pooled_signals) and (m := LAYER.search(name)):
+                members.setdefault((family, m.group(0)), []).append(name)
+        members = {k: v for k, v in members.items() if len(v) > 1}
+        self._members = {n for names in members.values() for n in names}
+        priced = len(members) + sum(
+            not _matches(name, fam.bound_only) and name not in self._members
+            for name, _, fam in watched)
+        resolved = {}
+        for name, family, fam in watched:
+            resolved[family] = self._resolved(fam, family, priced)
+            self._family_channel(name, family, resolved[family])
+        self.pools: dict[str, LayerPool] = {}
+        """Pooled layer statistics (``pooled_signals``), keyed by their signal name."""
+        for (family, layer), names in sorted(members.items()):
+            self._pool(family, layer, resolved[family], names)
         if config.global_.enabled and LOSS in names:
             self._channel(LOSS).detectors.append(NonFinite(LOSS, "global"))
         cmp = config.baselines
@@ -191,6 +208,16 @@ class DetectorBank:
             self.thresholds[family]["robust_z_single"] = rz.single_threshold
         return dataclasses.replace(fam, robust_z=rz, cusum=cs)
 
+    def _pool(self, family: str, layer: str, fam: FamilyDetectorConfig,
+              members: list[str]) -> None:
+        """The pooled channel of one layer and its :class:`LayerPool`."""
+        channel = pooled_channel(pooled_name(family, layer), family, fam,
+                                 fam.baseline or self.config.baseline,
+                                 self.config.warmup_samples, self.config.family_start(family))
+        self.channels[channel.signal] = channel
+        self.pools[channel.signal] = LayerPool({m: self.channels[m] for m in members},
+                                               self.config.warmup_samples)
+
     def _family_channel(self, name: str, family: str, fam: FamilyDetectorConfig) -> None:
         direction = next(
             (d for p, d in fam.directions.items() if compile_pattern(p).match(name)),
@@ -207,7 +234,7 @@ class DetectorBank:
                     else Baseline(config, warmup))
         channel = SignalChannel(name, family, self.config.family_start(family),
                                 baseline, direction, fam.robust_z.threshold)
-        rules = not _matches(name, fam.bound_only)
+        rules = not _matches(name, fam.bound_only) and name not in self._members
         if fam.robust_z.enabled and rules:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
         if fam.cusum.enabled and rules:
@@ -246,6 +273,7 @@ class DetectorBank:
         """
         findings: list[Finding] = []
         relative = self.peers.transform(signals)
+        fed: dict[str, float] = {}
         for name, channel in self.channels.items():
             if name in signals:
                 raw = float(signals[name])
@@ -255,7 +283,12 @@ class DetectorBank:
                     value = log_scale(raw)
                 else:
                     value = float(relative.get(name, raw))
+                fed[name] = value
                 findings.extend(channel.update(step, value, raw))
+        for name, pool in self.pools.items():
+            channel = self.channels[name]
+            if step >= channel.start_step:
+                findings.extend(channel.update(step, pool.update(fed, channel)))
         findings = [locate(f, signals) for f in findings]
         self.alarming.extend(f for f in findings if f.alarm)
         self._pool_long_run()
@@ -289,6 +322,8 @@ class DetectorBank:
             channel.reset()
         for jump in self.jumps.values():
             jump.reset()
+        for pool in self.pools.values():
+            pool.reset()
         self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming = []
 
@@ -298,6 +333,7 @@ class DetectorBank:
             "channels": {name: c.state_dict() for name, c in self.channels.items()},
             "alarming": [f.to_dict() for f in self.alarming],
             "jumps": {name: j.state_dict() for name, j in self.jumps.items()},
+            "pools": {name: p.state_dict() for name, p in self.pools.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -306,6 +342,9 @@ class DetectorBank:
         for name, channel in self.channels.items():
             if name in sd["channels"]:
                 channel.load_state_dict(sd["channels"][name])
+        for name, pool in self.pools.items():
+            if name in sd.get("pools", {}):
+                pool.load_state_dict(sd["pools"][name])
         for name, jump in self.jumps.items():
             if name in sd.get("jumps", {}):
                 jump.load_state_dict(sd["jumps"][name])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from mechmon_megatron.cli import main
 from mechmon_megatron.commands import config_cmd
 from mechmon_megatron.config import (
     PRESETS,
@@ -184,9 +185,12 @@ def test_cli_validate_prints_ok_and_hash_or_the_error(tmp_path, capsys):
     bad.write_text("qk:\n  intervl: 50\n")
     assert config_cmd.run(_cli("config", "validate", str(good))) == 0
     assert load_config(good).config_hash() in capsys.readouterr().out
-    assert config_cmd.run(_cli("config", "validate", str(bad))) == 2
+    # Bad input raises from run(); the CLI (run_command) prints it on one line and exits 2.
+    assert main(["config", "validate", str(bad)]) == 2
     assert "mechmon.qk.intervl: unknown key; did you mean 'interval'?" in capsys.readouterr().err
-    assert config_cmd.run(_cli("config", "validate", str(tmp_path / "missing.yaml"))) == 2
+    assert main(["config", "validate", str(tmp_path / "missing.yaml")]) == 2
+    with pytest.raises(ValueError, match=r"bad\.yaml: mechmon\.qk\.intervl: unknown key"):
+        config_cmd.run(_cli("config", "validate", str(bad)))
 
 
 def test_cli_defaults_prints_loadable_commented_yaml(tmp_path, capsys):

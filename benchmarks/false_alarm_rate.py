@@ -61,6 +61,23 @@ warm-up scale corrected for the credited correlation (detect/budget.py):
 | 24 MoE | 201     | 0.000 (0) | 0.000 (0) | 0.000 (0) | 0.051 (1) | 9.14 (64)              |
 | 80 MoE | 649     | 0.000 (0) | 0.000 (0) | 0.000 (0) | 0.051 (1) | 17.1 (77)              |
 
+With the attention evidence pooled per layer (``attn/pooled/layer_<L>``, one priced signal per
+layer instead of five) and the loss and grad norm judged as jumps, the same command (2,000
+samples, dense) reads, false alarms per 10k training steps (count):
+
+| layers | watched | gaussian  | ar1_0.5   | ar1_0.8   | student3  |
+| -----: | ------: | --------: | --------: | --------: | --------: |
+| 2      | 21      | 0.051 (1) | 0.211 (4) | 0.265 (5) | 0.103 (2) |
+| 24     | 153     | 0.000 (0) | 0.211 (4) | 0.211 (4) | 0.000 (0) |
+| 80     | 489     | 0.051 (1) | 0.103 (2) | 0.323 (6) | 0.051 (1) |
+
+Over the budget (0.01) on correlated and heavy-tailed noise. At 2 layers the alarms split
+between the pooled statistics (their tracked baseline follows AR(1) noise; a scale tracked
+five times slower, or frozen, removed most of them here but raised a false alarm on a real
+healthy 12-layer run) and the update-ratio rules, whose thresholds fell as the priced signals
+fell from 19 to 11. Real healthy runs are the arbiter: 0 false alarms on the `dev` corpus's
+healthy runs (29,500 steps, weight decay 0.1), where the per-signal rules had one.
+
 ``--single`` turns on ``robust_z.single`` in the mechanism families (its other columns equal
 the default's): one sample beyond a threshold that the Laplace null puts at ~12 scales. t(3)
 noise crosses that 100-1,700x more often than the budget allows, which is why the single-sample

@@ -31,13 +31,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Write the report; returns 0 (a directory without metrics, or with a file mechmon did
     not write, raises: the CLI prints it on one line and exits 2)."""
+    from mechmon_megatron.atomic_write import atomic_write
     from mechmon_megatron.train.plot import plot_run, read_run
 
     out = Path(args.out or args.run_dir)
     data = read_run(args.run_dir)
     plot = plot_run(args.run_dir, out / "report.png")
     md = out / "report.md"
-    md.write_text(render_markdown(data, Path(args.run_dir), plot.name))
+    atomic_write(md, render_markdown(data, Path(args.run_dir), plot.name))
     print(f"mechmon report: {md}\n               {plot}")
     return 0
 

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _rescore(args: argparse.Namespace, campaign: Any, out: Path) -> int:
     """``--rescore`` (and ``--budgets``): score the finished runs, train nothing."""
-    from mechmon_megatron.drill import emulation_check, load_campaign, write_report
+    from mechmon_megatron.drill import emulation_check, write_report
     from mechmon_megatron.drill.characteristic import (
         missing_runs,
         operating_characteristic,
@@ -117,8 +117,7 @@ def _rescore(args: argparse.Namespace, campaign: Any, out: Path) -> int:
         except ValueError:
             raise UsageError(f"--budgets: invalid value {args.budgets[:60]!r}; allowed: numbers "
                              "> 0 separated by commas") from None
-        spec = load_campaign("quick" if args.quick else (args.campaign or "full"))
-        rows = operating_characteristic(spec, out, budgets, args.config)
+        rows = operating_characteristic(campaign.spec, out, budgets, args.config)
         text = render_characteristic(rows)
         publish(out, {"characteristic.json": (json.dumps(rows, indent=1) + "\n").encode(),
                       "characteristic.md": text.encode()})

@@ -56,7 +56,7 @@ __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
 
 PATTERN_SETTINGS = ("signals", "peer_signals", "directions", "signal_bounds", "alarm_above",
-                    "log_signals", "bound_only", "jump_signals")
+                    "log_signals", "bound_only", "jump_signals", "pooled_signals")
 """Settings of a family whose keys or items are signal patterns: a pattern the user set that
 matches no signal of the model is warned about, whichever setting holds it."""
 

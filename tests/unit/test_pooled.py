@@ -88,3 +88,12 @@ def test_state_round_trip_mid_warmup_and_after_gives_the_same_findings():
         second = [[f.to_dict() for f in b.update(100 * (i + 1), t)]
                   for i, t in enumerate(tables) if i >= cut]
         assert second == first[cut:]
+
+
+def test_a_pooled_pattern_that_matches_nothing_is_warned_about():
+    import pytest
+
+    names = _table(random.Random(0), 4, 0)
+    config = load_config({"detectors": {"attn": {"pooled_signals": ["attn/delta2/entropyy/*"]}}})
+    with pytest.warns(RuntimeWarning, match="pooled_signals"):
+        DetectorBank(config, names)

@@ -14,6 +14,7 @@ The rules themselves: detect/detectors.py.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +39,8 @@ class Finding:
         locus: where the signal places the fault when its name does not say it (the sharpness
             signals: ``router`` when the top eigenvector lives mostly in the router's weights,
             see ``detect/attribution.py``); None otherwise.
+        threshold: the resolved threshold the score (bounds: the value) crossed
+            (detect/thresholds.py); NaN when not known.
     """
 
     detector: str
@@ -51,6 +54,7 @@ class Finding:
     score: float
     alarm: bool = True
     locus: str | None = None
+    threshold: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields."""

@@ -15,6 +15,7 @@ from typing import Any
 
 from mechmon_megatron.detect.base import Detector, Finding, orient
 from mechmon_megatron.detect.baseline import Baseline
+from mechmon_megatron.detect.thresholds import with_threshold
 
 __all__ = ["SignalChannel"]
 
@@ -67,7 +68,7 @@ class SignalChannel:
                 d.skip()
                 continue
             if (f := d.update(step, x)) is not None:
-                findings.append(f)
+                findings.append(with_threshold(d, f))
         b = self.baseline
         if math.isfinite(value) and b is not None:
             if not b.ready:

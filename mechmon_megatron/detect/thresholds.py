@@ -1,0 +1,114 @@
+"""The resolved threshold of every rule: what a finding crossed, and the table of a whole bank.
+
+A rule's threshold is in the units of its score (detect/detectors.py's table):
+
+| rule                         | threshold                     | crossed when                   |
+| ---------------------------- | ----------------------------- | ------------------------------ |
+| robust_z                     | ``threshold`` (k of n)        | s(u) > it on k of the last n   |
+|                              | ``single_threshold`` (alone)  | one s(u) > it (``single``)     |
+| cusum                        | ``threshold`` h               | S > h                          |
+| bounds                       | ``max`` (or ``min``)          | x > max (x < min)              |
+| loss_spike                   | ``factor``                    | abs(x) / max >= factor         |
+| loss_z, grad_norm_z, ...     | ``threshold``                 | z > it                         |
+| nonfinite                    | inf                           | x not finite                   |
+
+Null thresholds in the config are resolved by the bank from the false-alarm budget
+(detect/budget.py) before any rule exists, so what a rule holds is what it judges by.
+:func:`crossed` names the one threshold behind a finding; :func:`threshold_table` lists every
+rule of every family of a bank, one value where all of a family's signals share it, else one
+per signal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from mechmon_megatron.detect.base import Detector, Finding
+
+__all__ = ["crossed", "rule_thresholds", "threshold_table", "with_threshold"]
+
+
+def rule_thresholds(detector: Detector) -> dict[str, float | None]:
+    """``{rule label: threshold}`` of one detector (two labels for robust_z with ``single``
+    and for bounds with both ends)."""
+    cfg = getattr(detector, "config", None)
+    name = detector.name
+    if name == "nonfinite":
+        return {name: math.inf}
+    if name == "bounds":
+        return {f"bounds_{end}": getattr(cfg, end) for end in ("min", "max")
+                if getattr(cfg, end) is not None}
+    if name == "loss_spike":
+        return {name: float(cfg.factor)}
+    out: dict[str, float | None] = {name: _number(getattr(cfg, "threshold", None))}
+    if name == "robust_z" and getattr(cfg, "single", False):
+        out["robust_z_single"] = _number(cfg.single_threshold)
+    return out
+
+
+def crossed(detector: Detector, finding: Finding) -> float:
+    """The threshold ``finding`` crossed (NaN for a rule this module does not know)."""
+    rules = rule_thresholds(detector)
+    name = detector.name
+    if name == "bounds":
+        high = rules.get("bounds_max")
+        return float(high if high is not None and finding.value > high
+                     else rules.get("bounds_min", math.nan))
+    if name == "robust_z" and "robust_z_single" in rules:
+        # Fired alone (not k of n) when the persistence window did not fill.
+        hits = sum(1 for _, exceeded in getattr(detector, "recent", []) if exceeded)
+        if hits < detector.config.k:
+            return float(rules["robust_z_single"])
+    value = rules.get(name)
+    return math.nan if value is None else float(value)
+
+
+def with_threshold(detector: Detector, finding: Finding) -> Finding:
+    """``finding`` carrying :func:`crossed` (unchanged when it already carries one)."""
+    if not math.isnan(getattr(finding, "threshold", math.nan)):
+        return finding
+    return dataclasses.replace(finding, threshold=crossed(detector, finding))
+
+
+def threshold_table(bank: Any) -> dict[str, Any]:
+    """Every rule's resolved threshold per family of a ``DetectorBank``.
+
+    Returns:
+        ``{"false_alarms_per_10k_steps", "watched_signals", "families": {family: {"signals":
+        n, "interval", "start_step", "per_sample_probability", "rules": {rule: value or
+        {signal: value}}}}}``, JSON-able but for infinities.
+    """
+    rules: dict[str, dict[str, dict[str, float | None]]] = {}
+    counts: dict[str, int] = {}
+    for name, channel in bank.channels.items():
+        counts[channel.family] = counts.get(channel.family, 0) + 1
+        fam = rules.setdefault(channel.family, {})
+        for detector in channel.detectors:
+            for label, value in rule_thresholds(detector).items():
+                fam.setdefault(label, {})[name] = value
+    families = {}
+    for family in sorted(rules):
+        entry: dict[str, Any] = {"signals": counts[family]}
+        if family in bank.intervals:
+            entry["interval"] = int(bank.intervals[family])
+        entry["start_step"] = int(bank.config.family_start(family))
+        p = bank.thresholds.get(family, {}).get("per_sample_probability")
+        if p is not None:
+            entry["per_sample_probability"] = float(p)
+        entry["rules"] = {label: _collapse(values)
+                          for label, values in sorted(rules[family].items())}
+        families[family] = entry
+    return {"false_alarms_per_10k_steps": float(bank.config.false_alarms_per_10k_steps),
+            "watched_signals": len(bank.channels), "families": families}
+
+
+def _collapse(values: dict[str, float | None]) -> Any:
+    """One value when every signal shares it, else the per-signal mapping."""
+    distinct = {repr(v) for v in values.values()}
+    return next(iter(values.values())) if len(distinct) == 1 else dict(sorted(values.items()))
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -323,8 +323,24 @@ class ZSpikeConfig:
 
 
 @dataclass
+class LogitThresholdConfig:
+    """QK-clip's absolute rule: alarm when the max attention logit >= threshold."""
+
+    enabled: bool = True
+    """Run this comparison rule on ``global/max_logit`` (where a run logs it)."""
+    threshold: float = 100.0
+    """megatron-core's ``qk_clip_threshold`` default."""
+    alarm: bool = False
+    """Raise the alarm on a finding (false: only log it)."""
+
+    def __post_init__(self) -> None:
+        require(self.threshold > 0, "threshold", self.threshold, "a number > 0")
+
+
+@dataclass
 class ComparisonBaselinesConfig:
-    """Loss and grad-norm rules of the frameworks, run beside ours to compare like with like."""
+    """Loss, grad-norm and max-logit rules of the frameworks, run beside ours to compare like
+    with like."""
 
     loss_spike: LossSpikeConfig = field(default_factory=LossSpikeConfig)
     """Megatron's 10x spiky-loss rule on ``global/loss``."""
@@ -332,6 +348,10 @@ class ComparisonBaselinesConfig:
     """Rolling z-score on ``global/loss``."""
     grad_norm_z: ZSpikeConfig = field(default_factory=ZSpikeConfig)
     """Rolling z-score on ``global/grad_norm``."""
+    max_logit_z: ZSpikeConfig = field(default_factory=ZSpikeConfig)
+    """Rolling z-score on ``global/max_logit`` (Megatron-LM's ``--log-max-attention-logit``)."""
+    qk_clip: LogitThresholdConfig = field(default_factory=LogitThresholdConfig)
+    """QK-clip's absolute threshold on ``global/max_logit``."""
 
 
 @dataclass

@@ -42,6 +42,7 @@ from mechmon_megatron.detect.channel import SignalChannel
 from mechmon_megatron.detect.detectors import (
     Bounds,
     Cusum,
+    LogitThreshold,
     LossSpike,
     NonFinite,
     RobustZ,
@@ -53,7 +54,7 @@ from mechmon_megatron.detect.pooled import LayerPool, pooled_channel, pooled_nam
 
 __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 
-LOSS, GRAD_NORM = "global/loss", "global/grad_norm"
+LOSS, GRAD_NORM, MAX_LOGIT = "global/loss", "global/grad_norm", "global/max_logit"
 
 PATTERN_SETTINGS = ("signals", "peer_signals", "directions", "signal_bounds", "alarm_above",
                     "log_signals", "bound_only", "jump_signals", "pooled_signals")
@@ -176,10 +177,14 @@ class DetectorBank:
         cmp = config.baselines
         if cmp.loss_spike.enabled and LOSS in names:
             self._channel(LOSS).detectors.append(LossSpike(LOSS, "global", cmp.loss_spike))
-        for name, spec in ((LOSS, cmp.loss_z), (GRAD_NORM, cmp.grad_norm_z)):
+        for label, name, spec in (("loss_z", LOSS, cmp.loss_z),
+                                  ("grad_norm_z", GRAD_NORM, cmp.grad_norm_z),
+                                  ("max_logit_z", MAX_LOGIT, cmp.max_logit_z)):
             if spec.enabled and name in names:
-                label = "loss_z" if name == LOSS else "grad_norm_z"
                 self._channel(name).detectors.append(ZSpike(label, name, "global", spec))
+        if cmp.qk_clip.enabled and MAX_LOGIT in names:
+            self._channel(MAX_LOGIT).detectors.append(
+                LogitThreshold(MAX_LOGIT, "global", cmp.qk_clip))
         self.channels = dict(sorted(self.channels.items()))
         self.kinds: dict[str, list[Baseline]] = {}
         for name, channel in self.channels.items():

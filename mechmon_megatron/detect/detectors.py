@@ -14,6 +14,8 @@ is z oriented toward the fault by the rule's ``direction``
 | loss_spike   | Megatron: |x| >= factor * max |x| of the first num_samples     | |x| / max    |
 | loss_z       | (x - mean) / std over the previous window > threshold         | z            |
 | grad_norm_z  | same rule on the grad norm                                   | z            |
+| max_logit_z  | same rule on the max attention logit                         | z            |
+| qk_clip      | QK-clip: x >= threshold (megatron-core's default 100)        | x / thresh.  |
 | nonfinite    | x is NaN or +-inf (the loss, once seen finite)               | inf          |
 
 ``f`` is the baseline's long-run-variance factor (1 for independent samples, see
@@ -36,6 +38,7 @@ import statistics
 from mechmon_megatron.config import (
     BoundsConfig,
     CusumConfig,
+    LogitThresholdConfig,
     LossSpikeConfig,
     RobustZConfig,
     ZSpikeConfig,
@@ -48,6 +51,7 @@ __all__ = [
     "Cusum",
     "Bounds",
     "LossSpike",
+    "LogitThreshold",
     "ZSpike",
     "NonFinite",
 ]
@@ -181,6 +185,27 @@ class LossSpike(Detector):
             return None
         score = abs(value) / self.reference if self.reference > 0 else math.inf
         return self._finding(step, step, value, self.reference, math.nan, score)
+
+
+class LogitThreshold(Detector):
+    """QK-clip's trigger as a rule: the max attention logit at or above an absolute threshold."""
+
+    name = "qk_clip"
+    absolute = True
+    _state = ()
+
+    def __init__(self, signal: str, family: str, config: LogitThresholdConfig) -> None:
+        self.config = config
+        super().__init__(signal, family, alarm=config.alarm)
+
+    def _clear(self) -> None:
+        pass
+
+    def _update(self, step: int, value: float) -> Finding | None:
+        if value < self.config.threshold:
+            return None
+        t = self.config.threshold
+        return self._finding(step, step, value, t, math.nan, value / t)
 
 
 class ZSpike(Detector):

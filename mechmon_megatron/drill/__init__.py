@@ -12,7 +12,8 @@ writes the lead-time table::
     write_report(campaign, DIR, ...)
         per run: divergence (+1 nat) and degradation (+0.25 nat) vs the same-seed healthy run
                  every detector replayed over the logs (evaluate.py): mechmon, loss_spike,
-                 loss_z, grad_norm_z (replay.py); alarms before onset are false
+                 loss_z, grad_norm_z, max_logit_z, qk_clip (replay.py); alarms before onset
+                 are false
                  alarms, alarms the healthy twin shares are not detections
                  lead = divergence - alarm, lead % of (divergence - onset), attribution
         healthy runs and controls: false alarms per 10k steps

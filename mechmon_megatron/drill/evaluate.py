@@ -18,8 +18,12 @@ Detectors (each replayed on a fresh :class:`~mechmon_megatron.detect.DetectorBan
 | loss_spike  | Megatron: loss >= 10 x max of its first 100 samples    | train.jsonl, every step |
 | loss_z      | loss z-score vs the previous 100 steps > 6             | train.jsonl, every step |
 | grad_norm_z | grad-norm z-score vs the previous 100 steps > 6        | train.jsonl, every step |
+| max_logit_z | max-logit z-score vs the previous 100 steps > 6        | train.jsonl, every step |
+| qk_clip     | QK-clip: max attention logit >= 100                    | train.jsonl, every step |
 
-The baseline rules keep their shipped settings (``detectors.baselines``) with the alarm on. Every
+The max logit is the reference trainer's, over every head, layer and rank of its attention
+emulation (Megatron-LM's ``--log-max-attention-logit``). The baseline rules keep their shipped
+settings (``detectors.baselines``) with the alarm on. Every
 rule ignores samples before ``detectors.start_step`` (0 resolves to the LR warm-up's end, as the
 reference trainer does).
 

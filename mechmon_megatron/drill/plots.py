@@ -28,7 +28,7 @@ __all__ = ["EOS_SIGNAL", "plot_run"]
 
 EOS_SIGNAL = "optim/sharpness/eos_ratio"
 _COLORS = {"mechmon": "red", "loss_spike": "tab:brown", "loss_z": "tab:olive",
-           "grad_norm_z": "tab:purple"}
+           "grad_norm_z": "tab:purple", "max_logit_z": "tab:cyan", "qk_clip": "tab:pink"}
 
 
 def _num(value: Any) -> float:

@@ -29,17 +29,22 @@ from typing import Any
 from mechmon_megatron.config import DetectorsConfig, MechMonConfig
 from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.attribution import diagnose
-from mechmon_megatron.detect.bank import GRAD_NORM, LOSS
+from mechmon_megatron.detect.bank import GRAD_NORM, LOSS, MAX_LOGIT
 from mechmon_megatron.detect.base import Finding
 
 __all__ = ["DETECTORS", "BASELINE_DETECTORS", "DetectorResult", "replay_monitor", "rule_config",
            "replay_rule"]
 
-DETECTORS = ("mechmon", "loss_spike", "loss_z", "grad_norm_z")
+DETECTORS = ("mechmon", "loss_spike", "loss_z", "grad_norm_z", "max_logit_z", "qk_clip")
 """Detectors evaluated, the mechanism monitor first."""
 
-BASELINE_DETECTORS = ("loss_spike", "loss_z", "grad_norm_z")
-"""The frameworks' comparison rules the mechanism monitor must beat."""
+BASELINE_DETECTORS = ("loss_spike", "loss_z", "grad_norm_z", "max_logit_z", "qk_clip")
+"""The frameworks' comparison rules the mechanism monitor must beat (the max-logit rules see
+``max_logit`` where a run logged it, else nothing)."""
+
+
+STEP_SIGNALS = [LOSS, GRAD_NORM, MAX_LOGIT]
+"""Signals of ``train.jsonl`` (every step) the comparison rules read."""
 
 
 @dataclass
@@ -173,7 +178,8 @@ def _signal_rows(metrics: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str,
 
 def _step_rows(train: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, float]]]:
     for row in train:
-        yield int(row["step"]), {LOSS: _num(row.get("loss")), GRAD_NORM: _num(row.get("grad_norm"))}
+        yield int(row["step"]), {LOSS: _num(row.get("loss")), GRAD_NORM: _num(row.get("grad_norm")),
+                                 MAX_LOGIT: _num(row.get("max_logit"))}
 
 
 def replay_monitor(config: MechMonConfig, metrics: list[dict[str, Any]],
@@ -211,8 +217,8 @@ def replay_rule(name: str, detectors: DetectorsConfig, train: list[dict[str, Any
     config = rule_config(name, detectors)
     twin = None
     if twin_train is not None and fault_start is not None:
-        twin = _Twin(DetectorBank(config, [LOSS, GRAD_NORM]), _step_rows(twin_train), fault_start)
-    return _replay(name, DetectorBank(config, [LOSS, GRAD_NORM]), _step_rows(train), fault_start,
+        twin = _Twin(DetectorBank(config, STEP_SIGNALS), _step_rows(twin_train), fault_start)
+    return _replay(name, DetectorBank(config, STEP_SIGNALS), _step_rows(train), fault_start,
                    None, 0, twin)
 
 

@@ -17,6 +17,7 @@ FP8 emulation (faults/fp8_core_attention.py) shares.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -28,6 +29,8 @@ from mechmon_megatron.faults.attention import Mode, bf16_flash_attention
 __all__ = [
     "BF16FlashAttention",
     "flash_inputs",
+    "head_max_logits",
+    "running_max",
     "megatron_attention",
     "self_attentions",
     "replace_core_attention",
@@ -53,14 +56,34 @@ def flash_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return q_BNQK, k_BNSK, v_BNSK, mask
 
 
+@torch.no_grad()
+def head_max_logits(q_BNQK: torch.Tensor, k_BNSK: torch.Tensor, mask: torch.Tensor | None,
+                    scale: float) -> torch.Tensor:
+    """Per-head max attention logit ``max_{b,q,s unmasked} scale * q_bq . k_bs`` ``[N]`` float32
+    (what Megatron-LM's ``--log-max-attention-logit`` logs and QK-clip thresholds)."""
+    s_BNQS = torch.matmul(q_BNQK.float(), k_BNSK.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        s_BNQS = s_BNQS.masked_fill(mask, -math.inf)
+    return s_BNQS.amax(dim=(0, 2, 3))
+
+
+def running_max(held: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+    """Elementwise max of two optional tensors (None when both are)."""
+    if held is None or new is None:
+        return new if held is None else held
+    return torch.maximum(held, new)
+
+
 def megatron_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     attention_mask: torch.Tensor | None, attention_bias: Any, packed_seq_params: Any,
     rep: int, causal: bool, what: str, attend: Callable[..., torch.Tensor],
-) -> torch.Tensor:
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An emulation behind megatron-core's call: the inputs through :func:`flash_inputs`,
     ``attend(q [B, N, Q, K], k, v [B, N, S, K], mask) -> o [B, N, Q, K]``, and the context back
-    as ``[Q, B, N K]`` in ``query``'s dtype.
+    as ``[Q, B, N K]`` in ``query``'s dtype; with the softmax ``scale`` given, also the per-head
+    max logits ``[N]`` (:func:`head_max_logits`), else None.
 
     Raises:
         ValueError: an attention bias or packed sequences (``what`` names the emulation).
@@ -68,8 +91,11 @@ def megatron_attention(
     if attention_bias is not None or packed_seq_params is not None:
         raise ValueError(f"{what} flash emulation supports no attention bias or packed sequences")
     q_BNQK, k_BNSK, v_BNSK, mask = flash_inputs(query, key, value, attention_mask, rep, causal)
+    logits_N = None if scale is None else head_max_logits(q_BNQK, k_BNSK, mask, scale)
     o_BNQK = attend(q_BNQK, k_BNSK, v_BNSK, mask)
-    return o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(q_BNQK.shape[2], q_BNQK.shape[0], -1)
+    context = o_BNQK.to(query.dtype).permute(2, 0, 1, 3).reshape(q_BNQK.shape[2],
+                                                                 q_BNQK.shape[0], -1)
+    return context, logits_N
 
 
 class BF16FlashAttention(torch.nn.Module):
@@ -82,6 +108,8 @@ class BF16FlashAttention(torch.nn.Module):
 
     The fault: :meth:`set_injection` switches the biased rounding on or off; :meth:`reseed`
     makes the row selection of a step a function of ``(seed, layer, step)``.
+    ``max_logits_N`` holds the per-head max logits ``[N]`` over the forwards since its owner last
+    set it to None (:func:`head_max_logits`; the trainer resets it each step).
     """
 
     def __init__(
@@ -99,6 +127,7 @@ class BF16FlashAttention(torch.nn.Module):
         self.rate = 0.0
         self.where = "output"
         self.generator = torch.Generator()
+        self.max_logits_N: torch.Tensor | None = None
 
     @classmethod
     def replacing(cls, core_attention: Any) -> BF16FlashAttention:
@@ -159,9 +188,11 @@ class BF16FlashAttention(torch.nn.Module):
                           "bits": self.bits, "where": self.where}
             return bf16_flash_attention(q_BNQK, k_BNSK, v_BNSK, mask, self.softmax_scale, inject)
 
-        return megatron_attention(query, key, value, attention_mask, attention_bias,
-                                  packed_seq_params, self.num_heads // self.num_groups,
-                                  self.causal, "bf16", attend)
+        context, logits_N = megatron_attention(
+            query, key, value, attention_mask, attention_bias, packed_seq_params,
+            self.num_heads // self.num_groups, self.causal, "bf16", attend, self.softmax_scale)
+        self.max_logits_N = running_max(self.max_logits_N, logits_N)
+        return context
 
 
 def self_attentions(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:

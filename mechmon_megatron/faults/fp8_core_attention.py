@@ -20,6 +20,7 @@ from mechmon_megatron.faults.core_attention import (
     layers_with,
     megatron_attention,
     replace_core_attention,
+    running_max,
 )
 from mechmon_megatron.faults.fp8_attention import Delta, FP8Scaler, Scaling, fp8_flash_attention
 
@@ -47,6 +48,8 @@ class FP8FlashAttention(torch.nn.Module):
         self.scaler = FP8Scaler(scaling, history_len)
         self.delta: Delta = "matched"
         self.injecting = False
+        self.max_logits_N: torch.Tensor | None = None
+        """Per-head max logits ``[N]`` since the owner last set it to None."""
 
     @classmethod
     def replacing(cls, core_attention: Any, scaling: Scaling = "delayed",
@@ -78,11 +81,14 @@ class FP8FlashAttention(torch.nn.Module):
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """``[Q, B, N, K]`` query, ``[S, B, G, K]`` key/value -> context ``[Q, B, N K]``."""
-        return megatron_attention(
+        context, logits_N = megatron_attention(
             query, key, value, attention_mask, attention_bias, packed_seq_params,
             self.num_heads // self.num_groups, self.causal, "fp8",
             lambda q, k, v, mask: fp8_flash_attention(q, k, v, mask, self.softmax_scale,
-                                                      self.delta, self.scaler))
+                                                      self.delta, self.scaler),
+            self.softmax_scale)
+        self.max_logits_N = running_max(self.max_logits_N, logits_N)
+        return context
 
 
 def install_fp8_attention(

@@ -7,6 +7,7 @@ tests. Each step, on every rank, in this order::
     faults.before_step(step)                              may switch injection on / scale the LR
     mon.begin_step(step)
     loss = mean token loss of this rank's slice; loss.backward()
+    max_logit = max attention logit over heads, layers, ranks    attention emulation only
     sync_grads(model)                                     TP (sequence-parallel), DP, expert-DP
     update_expert_bias(model)                             aux-loss-free routers, as megatron-core
     norm = global grad norm; grads *= min(1, clip / norm) (identical on every rank)
@@ -25,8 +26,9 @@ Divergence step: the first step after the LR warm-up at which the loss is non-fi
 (weight 0.1 per step) exceeds the lowest EMA so far by ``divergence_margin`` nats.
 
 Files in ``out_dir`` (rank 0): ``train.jsonl`` (one line per step: loss, grad norm, LR, step
-time, validation loss when evaluated), mechmon's ``metrics.jsonl`` (one line per monitored step),
-``run.json`` (the :class:`RunResult`), and checkpoints under ``checkpoint.save_dir``.
+time, ``max_logit`` under an attention emulation, validation loss when evaluated), mechmon's
+``metrics.jsonl`` (one line per monitored step), ``run.json`` (the :class:`RunResult`), and
+checkpoints under ``checkpoint.save_dir``.
 """
 
 from __future__ import annotations
@@ -138,14 +140,17 @@ class _Trainer(CheckpointState):
         from mechmon_megatron.train.model import build_gpt, init_parallel
 
         self.cfg = cfg
+        self.emulated: list[Any] = []
+        """The attention emulation modules (their per-head max logits feed ``max_logit``)."""
+        self.max_logit: float | None = None
         init_parallel(cfg.parallel, seed=cfg.model.seed)
         self.model = build_gpt(cfg.model, cfg.parallel)
         if cfg.attention == "bf16_flash":
-            install_bf16_attention([self.model], "all")
+            self.emulated = install_bf16_attention([self.model], "all")
         elif cfg.attention == "fp8_flash":
             from mechmon_megatron.faults import install_fp8_attention
 
-            install_fp8_attention([self.model], "all")
+            self.emulated = install_fp8_attention([self.model], "all")
         for p in self.model.parameters():
             # Every rank reduces the same list of gradients, also for an expert that got no
             # tokens this step (sync_grads skips parameters whose grad is None).
@@ -197,6 +202,15 @@ class _Trainer(CheckpointState):
 
     # Loop ---------------------------------------------------------------------------------------
 
+    def _max_logit(self) -> float | None:
+        """Max attention logit of this step over every emulated head, layer and rank (one MAX
+        all-reduce over the world: TP shards heads, PP layers); None without an emulation."""
+        if not self.emulated:
+            return None
+        held = [m.max_logits_N.max() for m in self.emulated if m.max_logits_N is not None]
+        local = torch.stack(held).max().double() if held else torch.tensor(-math.inf).double()
+        return float(comm.all_reduce_max(local.view(1)).item())
+
     def _train_step(self, step: int) -> tuple[float, float, Any]:
         from mechmon_megatron.train.grads import grad_norm, sync_grads, update_expert_bias
 
@@ -210,7 +224,10 @@ class _Trainer(CheckpointState):
         keep = self.cfg.mechmon.optim.sharpness.batch_size or tokens_BS.shape[0]
         self.probe_batch = (tokens_BS[:keep], labels_BS[:keep])
         self.optimizer.zero_grad(set_to_none=False)
+        for m in self.emulated:
+            m.max_logits_N = None
         loss = self._forward_backward(tokens_BS, labels_BS)
+        self.max_logit = self._max_logit()
         sync_grads(self.model)
         if self.expert_bias:
             update_expert_bias(self.model)
@@ -289,6 +306,8 @@ class _Trainer(CheckpointState):
             record = {"step": step, "loss": loss, "grad_norm": norm,
                       "lr": self.optimizer.param_groups[0]["lr"],
                       "fault_active": self.faults.active(step)}
+            if self.max_logit is not None:
+                record["max_logit"] = self.max_logit
             if cfg.data.eval_interval and step % cfg.data.eval_interval == 0:
                 record["val_loss"] = self._val_loss()
             record["step_s"] = time.perf_counter() - tick

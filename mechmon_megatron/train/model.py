@@ -57,6 +57,19 @@ class ModelSpec:
     moe_router_score_function: str = "softmax"
     moe_router_enable_expert_bias: bool = False
     position_embedding_type: str = "rope"
+    multi_latent_attention: bool = False
+    """Multi-latent attention (megatron-core ``MLASelfAttention``, ``MLATransformerConfig``)
+    with the ranks and head dims below; RoPE type ``rope`` (override with ``extra``)."""
+    q_lora_rank: int | None = 32
+    """MLA query down-projection rank; null: a direct query projection (``linear_q_proj``)."""
+    kv_lora_rank: int = 32
+    """MLA shared key/value down-projection rank."""
+    qk_head_dim: int = 16
+    """MLA per-head query/key dimension without RoPE."""
+    qk_pos_emb_head_dim: int = 8
+    """MLA decoupled RoPE dimension (one key head shared by all query heads)."""
+    v_head_dim: int = 16
+    """MLA per-head value dimension."""
     seed: int = 1234
     extra: dict = field(default_factory=dict)
     """Further ``TransformerConfig`` fields, passed through unchanged."""
@@ -79,6 +92,12 @@ class ModelSpec:
                 self.moe_router_topk, f"an integer in 1..num_moe_experts ({experts})")
         require(self.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", self.moe_aux_loss_coeff,
                 "a number >= 0")
+        require(self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank",
+                self.q_lora_rank, "null or an integer >= 1")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        require(not self.multi_latent_attention or self.qk_pos_emb_head_dim % 2 == 0,
+                "qk_pos_emb_head_dim", self.qk_pos_emb_head_dim, "an even integer (RoPE pairs)")
 
 
 def init_parallel(spec: ParallelSpec, seed: int = 1234) -> None:
@@ -120,9 +139,14 @@ def build_gpt(model: ModelSpec, parallel: ParallelSpec, vp_stage: int | None = N
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    config = TransformerConfig(
+    mla = dict(multi_latent_attention=True, q_lora_rank=model.q_lora_rank,
+               kv_lora_rank=model.kv_lora_rank, qk_head_dim=model.qk_head_dim,
+               qk_pos_emb_head_dim=model.qk_pos_emb_head_dim, v_head_dim=model.v_head_dim,
+               rope_type="rope", normalization="LayerNorm")
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    config = config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -155,11 +179,21 @@ def build_gpt(model: ModelSpec, parallel: ParallelSpec, vp_stage: int | None = N
         persist_layer_norm=False,
         add_bias_linear=False,
         pipeline_dtype=torch.float32,
-        **model.extra,
+        **{**(mla if model.multi_latent_attention else {}), **model.extra},
     )
     layer_spec = get_gpt_layer_local_spec(
-        num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm
+        num_experts=model.num_moe_experts, qk_layernorm=model.qk_layernorm,
+        multi_latent_attention=model.multi_latent_attention,
     )
+    if model.multi_latent_attention:
+        from mechmon_megatron.train.mla_core_attention import (
+            MLADotProductAttention,
+            allow_mla_without_te,
+        )
+
+        allow_mla_without_te()
+        # megatron-core's local DotProductAttention has no k_channels/v_channels for MLA.
+        layer_spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
     torch.manual_seed(model.seed)
     gpt = GPTModel(
         config=config,

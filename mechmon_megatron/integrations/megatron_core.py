@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.integrations.mcore_mla import mla_sources
+from mechmon_megatron.layouts.megatron_mla import is_mla
 from mechmon_megatron.layouts.megatron_qkv import (
     find_attention_modules,
     fp32_sum_group,
@@ -40,12 +42,17 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None, dp_ra
     (:func:`~mechmon_megatron.monitors.qk_source.owner_replica`); sharded fp32 main params are
     then reduced to the layer's owner only, and a DP group without the owner skips the exchange.
 
+    Multi-latent attention layers give two sources each (:mod:`.mcore_mla`), tagged ``""``
+    (no-RoPE form) and ``"rope_"``.
+
     Raises:
-        UnsupportedAttentionError: for MLA, cross-attention or unknown attention modules.
+        UnsupportedAttentionError: for cross-attention or unknown attention modules.
     """
     found = find_attention_modules(model_chunks)
+    sources = mla_sources([(n, a) for n, a in found if is_mla(a)], optimizer, dp_rank, dp_size)
+    found = [(n, a) for n, a in found if not is_mla(a)]
     if not found:
-        return []
+        return sources
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
@@ -58,7 +65,6 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None, dp_ra
     # The replica of each rank of the fp32 group (the optimizer's DP group: all of DP, or one
     # distributed-optimizer instance), so the sharded weight goes to the layer's owner only.
     members = [] if group is None else comm.all_gather_object(int(dp_rank), group)
-    sources = []
     for name, attn in found:
         layout = qk_layout(attn, tp_rank, tp_size)
         owner = owner_replica(int(attn.layer_number), dp_size)
@@ -93,13 +99,17 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
     monitors: list[Any] = []
     if config.qk.enabled:
         sources = qk_sources(model_chunks, optimizer, dp_rank=dp_rank, dp_size=dp_size)
-        all_layers = comm.all_gather_union({s.layer: s.num_heads for s in sources})
-        if not all_layers:
-            raise ValueError("qk.enabled is true but the model has no megatron-core "
-                             "SelfAttention layers; set qk.enabled: false")
-        monitors.append(QKUpdateMonitor(
-            config.qk, sources, all_layers=all_layers, seed=config.seed, dp_rank=dp_rank,
-            dp_size=dp_size, dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
+        for tag in ("", "rope_"):  # the same gathers on every rank; rope_: MLA's RoPE form
+            tagged = [s for s in sources if s.tag == tag]
+            all_layers = comm.all_gather_union({s.layer: s.num_heads for s in tagged})
+            if not all_layers and not tag:
+                raise ValueError("qk.enabled is true but the model has no megatron-core "
+                                 "SelfAttention layers; set qk.enabled: false")
+            if all_layers:
+                monitors.append(QKUpdateMonitor(
+                    config.qk, tagged, all_layers=all_layers, seed=config.seed,
+                    dp_rank=dp_rank, dp_size=dp_size, tag=tag,
+                    dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.megatron_router import router_sources
         from mechmon_megatron.monitors.router import RouterMonitor

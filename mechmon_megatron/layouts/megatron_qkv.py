@@ -38,6 +38,7 @@ from mechmon_megatron.layouts.norms import fold_norm
 
 __all__ = [
     "UnsupportedAttentionError",
+    "is_mla",
     "find_attention_modules",
     "qk_layout",
     "read_qk_rows",
@@ -51,28 +52,39 @@ __all__ = [
 
 
 class UnsupportedAttentionError(ValueError):
-    """An attention module the QK monitor cannot read (MLA, cross-attention, unknown types)."""
+    """An attention module the QK monitor cannot read (cross-attention, unknown types)."""
+
+
+def is_mla(module: Any) -> bool:
+    """Whether ``module`` is multi-latent attention (``MLASelfAttention`` or another
+    ``MultiLatentAttention``; by type name and its KV down projection: no megatron import)."""
+    kind = type(module).__name__
+    named = kind.endswith("LatentAttention") or (kind.startswith("MLA")
+                                                   and kind.endswith("Attention"))
+    return named and (hasattr(module, "linear_kv_down_proj")
+                      or type(module).__module__.startswith("megatron."))
 
 
 def find_attention_modules(model_chunks: list[torch.nn.Module]) -> list[tuple[str, Any]]:
-    """Every self-attention module of ``model_chunks`` as ``(qualified name, module)``.
+    """Every self-attention module of ``model_chunks`` as ``(qualified name, module)``;
+    multi-latent attention included (read by :mod:`.megatron_mla`, not by this module).
 
     Raises:
-        UnsupportedAttentionError: for multi-latent attention or any attention-like module
-            without a fused ``linear_qkv``, naming the module and its type.
+        UnsupportedAttentionError: for an attention-like module without a fused
+            ``linear_qkv`` (other than MLA), naming the module and its type.
     """
     found = []
     for c, chunk in enumerate(model_chunks):
         for name, module in chunk.named_modules():
             kind = type(module).__name__
             qualified = f"model[{c}].{name}"
-            if "LatentAttention" in kind or kind.startswith("MLA"):
-                raise UnsupportedAttentionError(
-                    f"{qualified} is {kind}: multi-latent attention is not supported by the QK "
-                    "monitor yet (the QK form lives in the latent up-projections); set "
-                    "qk.enabled: false"
-                )
-            if kind.endswith("SelfAttention") or kind == "Attention":
+            if is_mla(module):
+                if kind.endswith("CrossAttention"):
+                    raise UnsupportedAttentionError(
+                        f"{qualified} is {kind}: cross-attention is not supported by the QK "
+                        "monitor")
+                found.append((qualified, module))
+            elif kind.endswith("SelfAttention") or kind == "Attention":
                 if not hasattr(module, "linear_qkv"):
                     raise UnsupportedAttentionError(
                         f"{qualified} is {kind} without a fused linear_qkv; supported: "

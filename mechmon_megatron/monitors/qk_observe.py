@@ -67,8 +67,8 @@ def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
 
 class QKObserve:
     """Mixin of :class:`~.qk_update.QKUpdateMonitor`: observing and decoding one layer. Uses
-    its ``config``, ``terms``, ``layer_terms``, ``extra``, ``snapshots``, ``seed``, ``_heads``,
-    ``_groups``, counters, ``_read``, ``_warn_once`` and ``_error``."""
+    its ``config``, ``tag``, ``terms``, ``layer_terms``, ``extra``, ``snapshots``, ``seed``,
+    ``_heads``, ``_groups``, counters, ``_read``, ``_warn_once`` and ``_error``."""
 
     def _observe(self, source: QKSource, step: int
                  ) -> tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]:
@@ -132,7 +132,7 @@ class QKObserve:
         if self.config.per_head or source.head_index.numel() == source.num_heads:
             return {}
         keys = [(t, m) for t in self.terms for m in METRICS] + list(self.extra)
-        return {f"attn/{t}/{m}/layer_{source.layer}/mean": None for t, m in keys}
+        return {f"attn/{self.tag}{t}/{m}/layer_{source.layer}/mean": None for t, m in keys}
 
     def _head_table(self, source: QKSource, pair: tuple, older: tuple | None
                     ) -> tuple[torch.Tensor, tuple[list[str], list[str]]]:
@@ -147,11 +147,11 @@ class QKObserve:
         form: list[tuple[str, torch.Tensor]] = []
         if ("coherence", "cos") in self.extra and older is not None:
             older_q, older_k = older
-            form.append(("attn/coherence/cos", update_cosine(
+            form.append((f"attn/{self.tag}coherence/cos", update_cosine(
                 update_factors(wq0, wq1, wk0, wk1, group_index),
                 update_factors(older_q, wq0, older_k, wk0, group_index))))
         if ("qk", "sigma1") in self.extra:
-            form.append(("attn/qk/sigma1", form_sigma1(wq1, wk1, group_index)))
+            form.append((f"attn/{self.tag}qk/sigma1", form_sigma1(wq1, wk1, group_index)))
         parts = [r.reshape(-1) for r in rows] + [v.to(torch.float64).reshape(-1) for _, v in form]
         return torch.cat(parts), (list(spectra), [name for name, _ in form])
 
@@ -174,12 +174,13 @@ class QKObserve:
             if any(zero_H):
                 self._warn_once(f"zero:{layer}:{term}",
                                 f"zero {term} update in layer {layer} (frozen?)")
+            prefix = f"attn/{self.tag}{term}"
             for metric, column in zip(METRICS, metrics, strict=True):
                 for h, v, finite, zero in zip(heads, column, finite_H, zero_H, strict=True):
                     if not finite:
-                        per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = math.inf
+                        per_head[f"{prefix}/{metric}/layer_{layer}/head_{h}"] = math.inf
                     elif metric == "fro" or not zero:
-                        per_head[f"attn/{term}/{metric}/layer_{layer}/head_{h}"] = v
+                        per_head[f"{prefix}/{metric}/layer_{layer}/head_{h}"] = v
         base = len(terms) * 6 * n
         for f, name in enumerate(form):
             column = values[base + f * n:base + (f + 1) * n]
@@ -225,7 +226,7 @@ class QKObserve:
         layer = source.layer
         if int(round(n_ready)) != comm.world_size(source.sketch_group):
             if nonfinite > 0:  # observed, not finite (+inf after the reduction)
-                return {f"attn/layer_{t}/{m}/layer_{layer}": math.inf
+                return {f"attn/layer_{self.tag}{t}/{m}/layer_{layer}": math.inf
                         for t in self.layer_terms for m in LAYER_METRICS}
             if pair is not None:
                 self._warn_once(f"sketch:{layer}", f"layer {layer}: a rank of its sketch "
@@ -247,7 +248,7 @@ class QKObserve:
                        math.sqrt(result.fro2), result.stable_rank)
             for metric, v in zip(LAYER_METRICS, metrics, strict=True):
                 if result.fro2 != 0.0 or metric in ("fro", "sigma1"):
-                    out[f"attn/layer_{term}/{metric}/layer_{layer}"] = v
+                    out[f"attn/layer_{self.tag}{term}/{metric}/layer_{layer}"] = v
         return out
 
 

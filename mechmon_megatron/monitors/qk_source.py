@@ -44,6 +44,9 @@ class QKSource:
         dims: ``(d_head, d_model)`` of the rows; the layer sketch's collectives are shaped from
             them on a rank whose read failed, so they are required when ``sketch_group`` holds
             more than one rank (checked by the monitor).
+        tag: which monitor takes the source: ``""`` (the QK form of standard attention and
+            the no-RoPE form of MLA) or ``"rope_"`` (MLA's decoupled RoPE form; its signals
+            are named ``attn/rope_<term>/...``).
     """
 
     layer: int
@@ -58,6 +61,7 @@ class QKSource:
     finish: Callable[[Any], tuple[torch.Tensor, torch.Tensor]] | None = None
     dp_exchange: bool = False
     dims: tuple[int, int] | None = None
+    tag: str = ""
 
     def read_rows(self, on_error: Callable[[str, BaseException], None]
                   ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, bool | torch.Tensor]:

@@ -96,6 +96,10 @@ class QKUpdateMonitor(QKObserve):
             (all TP ranks of that replica, so the sketch stays within one TP group); the
             others skip it (joining only a DP collective of its read) and keep no snapshot.
             Its signals reach every rank through the one SUM all-reduce.
+        tag: prefix of every term in the signal names (``attn/<tag><term>/...``,
+            ``attn/layer_<tag><term>/...``): ``rope_`` for the decoupled RoPE form of
+            multi-latent attention (:mod:`mechmon_megatron.layouts.megatron_mla`), whose no-RoPE
+            form has the plain names of standard attention.
 
     Coverage: ``found`` layers this rank owns; ``observed`` / ``skipped`` layers with finite /
     degenerate (zero or non-finite update) results at the last monitored step; ``errors`` caught
@@ -107,8 +111,9 @@ class QKUpdateMonitor(QKObserve):
     def __init__(
         self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None,
         seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, dp_group: comm.Group = comm.SELF,
+        tag: str = "",
     ) -> None:
-        self.config, self.seed = config, int(seed)
+        self.config, self.seed, self.tag = config, int(seed), str(tag)
         self.dp_rank, self.dp_size, self.dp_group = int(dp_rank), int(dp_size), dp_group
         self.interval = int(config.interval)
         wanted = config.layers
@@ -147,14 +152,15 @@ class QKUpdateMonitor(QKObserve):
         for layer, heads in self.layers.items():
             for term in self.terms:
                 for metric in METRICS:
-                    base = f"attn/{term}/{metric}/layer_{layer}"
+                    base = f"attn/{self.tag}{term}/{metric}/layer_{layer}"
                     names += [f"{base}/{stat}" for stat in STATS]
                     if self.config.per_head:
                         names += [f"{base}/head_{h}" for h in range(heads)]
             for term in self.layer_terms:
-                names += [f"attn/layer_{term}/{m}/layer_{layer}" for m in LAYER_METRICS]
+                names += [f"attn/layer_{self.tag}{term}/{m}/layer_{layer}"
+                          for m in LAYER_METRICS]
             for term, metric in self.extra:
-                base = f"attn/{term}/{metric}/layer_{layer}"
+                base = f"attn/{self.tag}{term}/{metric}/layer_{layer}"
                 names += [f"{base}/{stat}" for stat in STATS]
                 if self.config.per_head:
                     names += [f"{base}/head_{h}" for h in range(heads)]
@@ -331,9 +337,11 @@ class QKUpdateMonitor(QKObserve):
         """``(wq, wk)`` as float32 (rounded to bf16 first with ``snapshot_dtype: bf16``) and
         their stored copies (snapshot dtype, offloaded to CPU with ``offload_snapshots``)."""
         bf16 = self.config.snapshot_dtype == "bf16"
-        snap_dtype = torch.bfloat16 if bf16 else torch.float32
-        wq = wq.detach().to(snap_dtype).float() if bf16 else wq.detach().float()
-        wk = wk.detach().to(snap_dtype).float() if bf16 else wk.detach().float()
+        # Rows composed from factors (MLA) come in float64 and stay so: see layouts/megatron_mla.
+        exact = torch.float64 if wq.dtype == torch.float64 else torch.float32
+        snap_dtype = torch.bfloat16 if bf16 else exact
+        wq = wq.detach().to(snap_dtype).to(exact) if bf16 else wq.detach().to(exact)
+        wk = wk.detach().to(snap_dtype).to(exact) if bf16 else wk.detach().to(exact)
         device = torch.device("cpu") if self.config.offload_snapshots else wq.device
         return (wq, wk, wq.to(device, snap_dtype, copy=True),
                 wk.to(device, snap_dtype, copy=True))
@@ -360,11 +368,11 @@ class QKUpdateMonitor(QKObserve):
             # W(t - delta) stays for the next step's cosine of successive updates.
             snap.update(wq_prev=prev["wq"], wk_prev=prev["wk"])
             if prev.get("wq_prev") is not None:
-                older = (prev["wq_prev"].to(wq.device, torch.float32),
-                         prev["wk_prev"].to(wk.device, torch.float32))
+                older = (prev["wq_prev"].to(wq.device, wq.dtype),
+                         prev["wk_prev"].to(wk.device, wk.dtype))
         self.snapshots[source.layer] = snap
         if step - prev["step"] != self.interval:
             self._warn_once("gap", f"update window {step - prev['step']} steps at step {step} "
                             f"(interval {self.interval}); using the actual window")
-        return ((prev["wq"].to(wq.device, torch.float32), wq),
-                (prev["wk"].to(wk.device, torch.float32), wk)), older
+        return ((prev["wq"].to(wq.device, wq.dtype), wq),
+                (prev["wk"].to(wk.device, wk.dtype), wk)), older

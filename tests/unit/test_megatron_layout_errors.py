@@ -15,19 +15,17 @@ def _uninitialised(cls: type) -> torch.nn.Module:
     return obj
 
 
-def test_multi_latent_attention_is_refused_with_the_module_path_and_type():
+def test_multi_latent_attention_is_found_for_its_own_layout():
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
-    from mechmon_megatron.layouts.megatron_qkv import (
-        UnsupportedAttentionError,
-        find_attention_modules,
-    )
+    from mechmon_megatron.layouts.megatron_mla import is_mla
+    from mechmon_megatron.layouts.megatron_qkv import find_attention_modules
 
     model = torch.nn.ModuleDict({"decoder": torch.nn.ModuleDict({"attn": _uninitialised(
         MLASelfAttention)})})
-    with pytest.raises(UnsupportedAttentionError, match=r"model\[0\]\.decoder\.attn is "
-                                                        r"MLASelfAttention.*qk\.enabled"):
-        find_attention_modules([model])
+    found = find_attention_modules([model])
+    assert [name for name, _ in found] == ["model[0].decoder.attn"]
+    assert is_mla(found[0][1])
 
 
 def test_cross_attention_is_refused():

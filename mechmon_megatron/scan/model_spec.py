@@ -9,7 +9,8 @@ model spec in ``rank_00000.pt``) or from ``--model-config FILE``, which may be
 - a Megatron-LM style mapping (``num_attention_heads``, ``num_query_groups`` with
   ``group_query_attention``, ``kv_channels``, ``hidden_size``, ``qk_layernorm``,
   ``normalization``, ``apply_layernorm_1p`` / ``layernorm_zero_centered_gamma``,
-  ``multi_latent_attention``),
+  ``multi_latent_attention`` with ``q_lora_rank``, ``kv_lora_rank``, ``qk_head_dim``,
+  ``qk_pos_emb_head_dim``, ``v_head_dim``),
 - a Hugging Face ``config.json`` (``num_key_value_heads``, ``head_dim``).
 
 ``--model-config`` wins over saved arguments. Keys not listed are ignored (argument dumps hold
@@ -49,7 +50,10 @@ class ScanModel:
     attention_output_gate: bool = False
     """Gate rows inside each KV group's block of the fused QKV weight."""
     multi_latent_attention: bool = False
-    """MLA (not supported; named in the error)."""
+    """Multi-latent attention (megatron-core MLASelfAttention tensors)."""
+    mla_dims: tuple[int | None, int, int, int, int] | None = None
+    """MLA ``(q_lora_rank or None, kv_lora_rank, qk_head_dim, qk_pos_emb_head_dim,
+    v_head_dim)``; None when not given (an MLA checkpoint then needs them)."""
     source: str = ""
     """Where the shape came from (for the report)."""
 
@@ -99,8 +103,23 @@ def model_from_mapping(data: Mapping[str, Any], source: str) -> ScanModel:
                                  or data.get("layernorm_zero_centered_gamma")),
         attention_output_gate=bool(data.get("attention_output_gate")),
         multi_latent_attention=bool(data.get("multi_latent_attention")),
+        mla_dims=_mla_dims(data, source),
         source=source,
     )
+
+
+def _mla_dims(data: Mapping[str, Any], source: str
+              ) -> tuple[int | None, int, int, int, int] | None:
+    """``ScanModel.mla_dims`` from Megatron-LM / reference-trainer keys, or None."""
+    keys = ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    if not data.get("multi_latent_attention"):
+        return None
+    missing = [k for k in keys if not isinstance(data.get(k), int) or data[k] <= 0]
+    if missing:
+        raise ScanError(f"{source}: multi_latent_attention needs {', '.join(missing)} "
+                        "(positive integers); pass --model-config FILE with them")
+    q_lora = data.get("q_lora_rank")
+    return (int(q_lora) if q_lora else None, *(int(data[k]) for k in keys))
 
 
 def load_model_config(path: str | os.PathLike[str]) -> ScanModel:

@@ -103,11 +103,23 @@ class PairScanner:
 
     def _qk(self, layer: int, t0: int, t1: int, kept0: dict, kept1: dict,
             older: Any) -> dict[str, float]:
+        """The QK signals of one layer (MLA: its no-RoPE form, then its RoPE form tagged
+        ``rope_``), and ``attn/qk_coherence`` of the (first) form's rows."""
+        parts = (("nope", ""), ("rope", "rope_")) if self.plan.attention[layer].layout == "mla" \
+            else (("nope", ""),)
+        out: dict[str, float] = {}
+        for part, tag in parts:
+            out.update(self._qk_form(layer, t0, t1, kept0, kept1, older, part, tag))
+        return out
+
+    def _qk_form(self, layer: int, t0: int, t1: int, kept0: dict, kept1: dict,
+                 older: Any, part: str, tag: str) -> dict[str, float]:
         attn, model = self.plan.attention[layer], self.plan.model
-        wq0, wk0, group_index = qk_rows(attn, kept0, model)
-        wq1, wk1, _ = qk_rows(attn, kept1, model)
+        wq0, wk0, group_index = qk_rows(attn, kept0, model, part)
+        wq1, wk1, _ = qk_rows(attn, kept1, model, part)
         cfg = self.config.qk
-        snap = torch.bfloat16 if cfg.snapshot_dtype == "bf16" else torch.float32
+        exact = torch.float64 if wq0.dtype == torch.float64 else torch.float32
+        snap = torch.bfloat16 if cfg.snapshot_dtype == "bf16" else exact
         window = t1 - t0
         # end_step runs on steps divisible by the interval; the window is t1 - t0 either way.
         interval = window if t1 % window == 0 else math.gcd(t0, t1)
@@ -116,9 +128,9 @@ class PairScanner:
         source = QKSource(layer=layer, name=attn.weights[0], num_heads=heads,
                           head_index=torch.arange(heads), group_index=group_index,
                           read=lambda: (wq1, wk1), sketch_group=comm.SELF,
-                          num_groups=model.num_query_groups)
-        monitor = QKUpdateMonitor(qk_cfg, [source], all_layers={layer: heads})
-        older_rows = (qk_rows(attn, {n: older.read(n) for n in attn.names()}, model)
+                          num_groups=int(group_index.max()) + 1, tag=tag)
+        monitor = QKUpdateMonitor(qk_cfg, [source], all_layers={layer: heads}, tag=tag)
+        older_rows = (qk_rows(attn, {n: older.read(n) for n in attn.names()}, model, part)
                       if older is not None else None)
         state = {"step": t0, "wq": wq0.to(snap), "wk": wk0.to(snap)}
         if older_rows is not None and getattr(cfg, "coherence", False):
@@ -136,6 +148,8 @@ class PairScanner:
             raise ScanError(f"layer {layer} ({attn.weights[0]}), steps {t0}->{t1}: the QK "
                             f"monitor failed: {'; '.join(self.notes[-monitor.errors:])}")
         out.update(monitor.derive(out))
+        if tag:  # attn/qk_coherence: of the plain (no-RoPE) form only
+            return out
         dqk2 = float((wq1.double() - wq0.double()).pow(2).sum()
                      + (wk1.double() - wk0.double()).pow(2).sum())
         last = self._last_dqk2.get(layer)

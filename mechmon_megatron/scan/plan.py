@@ -60,13 +60,14 @@ def build_plan(shapes: Mapping[str, tuple[int, ...]], model: ScanModel, config: 
         where: the checkpoint, for messages.
 
     Raises:
-        ScanError: no attention Q/K tensors (with the QK monitor enabled), MLA.
+        ScanError: no attention Q/K tensors (with the QK monitor enabled), HF-named MLA.
     """
     attention = find_attention(dict(shapes), model) if config.qk.enabled else {}
     if config.qk.enabled and not attention:
         sample = ", ".join(sorted(shapes)[:4])
         raise ScanError(f"{where}: no attention Q/K tensors (looked for *.linear_qkv.weight, "
-                        f"*.query_key_value.weight, *.q_proj.weight + *.k_proj.weight); it holds "
+                        f"*.query_key_value.weight, *.q_proj.weight + *.k_proj.weight, "
+                        f"*.linear_kv_down_proj.weight); it holds "
                         f"{len(shapes)} tensors such as {sample}")
     attention = {k: v for k, v in attention.items() if _selected(k, config.qk.layers)}
     routers: dict[int, tuple[str, str | None]] = {}

@@ -18,8 +18,9 @@ Separate projections follow :mod:`mechmon_megatron.layouts.hf_attention` (head `
 ``i // (H / G)``). Norm scales are folded by :func:`mechmon_megatron.layouts.norms.fold_norm`
 (LayerNorm when the norm has a bias or the model says so, else RMSNorm).
 
-Multi-latent attention (``linear_q_down_proj``, ``linear_kv_down_proj``, ``q_a_proj``,
-``kv_a_proj_with_mqa``) is refused, named.
+Multi-latent attention (megatron-core names, layout ``mla``) goes through
+:mod:`mechmon_megatron.scan.mla_rows` (two forms per layer: ``nope`` and ``rope``); Hugging Face
+MLA names (``q_a_proj``, ``kv_a_proj_with_mqa``) are refused, named.
 """
 
 from __future__ import annotations
@@ -36,14 +37,13 @@ from mechmon_megatron.layouts.hf_attention import layer_number_of
 from mechmon_megatron.layouts.megatron_qkv import qk_layout, read_qk_rows
 from mechmon_megatron.layouts.norms import fold_norm
 from mechmon_megatron.scan.errors import ScanError
+from mechmon_megatron.scan.mla_rows import HF_MLA, MLA_KV_DOWN, mla_scan_rows, mla_weights
 from mechmon_megatron.scan.model_spec import ScanModel
 
 __all__ = ["AttentionTensors", "find_attention", "layer_of", "qk_rows", "qk_names"]
 
 _FUSED = re.compile(r"^(.*)\.(linear_qkv|query_key_value)\.weight$")
 _SEPARATE = re.compile(r"^(.*)\.q_proj\.weight$")
-_MLA = re.compile(r"(linear_q_down_proj|linear_kv_down_proj|linear_q_up_proj|linear_kv_up_proj|"
-                  r"\.q_a_proj\.|kv_a_proj_with_mqa)")
 _NORMS = {"fused": ("q_layernorm", "k_layernorm"), "separate": ("q_norm", "k_norm")}
 
 
@@ -59,9 +59,9 @@ class AttentionTensors:
 
     layer: int
     layout: str
-    """``fused`` or ``separate``."""
+    """``fused``, ``separate`` or ``mla``."""
     weights: tuple[str, ...]
-    """``(qkv,)`` or ``(q_proj, k_proj)`` weight names."""
+    """``(qkv,)``, ``(q_proj, k_proj)`` or MLA's (:func:`~.mla_rows.mla_weights`)."""
     q_norm: str | None
     k_norm: str | None
     norm_kind: str
@@ -77,17 +77,24 @@ def find_attention(names: dict[str, tuple[int, ...]],
     """``{layer: AttentionTensors}`` of every attention layer among ``names``.
 
     Raises:
-        ScanError: MLA tensors (or ``model.multi_latent_attention``), two attention modules in
+        ScanError: Hugging Face MLA tensors, an incomplete MLA module, two attention modules in
             one layer.
     """
-    mla = [n for n in names if _MLA.search(n)]
-    if mla or model.multi_latent_attention:
-        where = f" ({mla[0]})" if mla else ""
-        raise ScanError(f"multi-latent attention (MLA){where} is not supported by the QK scan: "
-                        "its QK form lives in the latent up-projections")
+    hf_mla = [n for n in names if HF_MLA.search(n)]
+    if hf_mla:
+        raise ScanError(f"multi-latent attention in Hugging Face names ({hf_mla[0]}) is not "
+                        "supported by the QK scan; megatron-core MLA checkpoints are")
     found: dict[int, AttentionTensors] = {}
     for name in sorted(names):
-        fused, separate = _FUSED.match(name), _SEPARATE.match(name)
+        fused, separate, mla = _FUSED.match(name), _SEPARATE.match(name), MLA_KV_DOWN.match(name)
+        if mla:
+            weights, q_norm, kv_norm, bias = mla_weights(mla.group(1), names)
+            layer = layer_of(name)
+            if layer is None:
+                raise ScanError(f"{name}: attention weight outside a numbered layer")
+            found[layer] = AttentionTensors(layer, "mla", weights, q_norm, kv_norm,
+                                            "LayerNorm" if bias else model.normalization)
+            continue
         if fused:
             prefix, layout, weights = fused.group(1), "fused", (name,)
         elif separate and f"{separate.group(1)}.k_proj.weight" in names:
@@ -136,17 +143,22 @@ def _head_dim(rows: int, model: ScanModel) -> int:
 
 
 def qk_rows(attn: AttentionTensors, tensors: dict[str, list[torch.Tensor]],
-            model: ScanModel) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(wq_HKD, wk_GKD, group_index_H)`` of all heads, fp32, norms folded.
+            model: ScanModel, part: str = "nope"
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(wq_HKD, wk_GKD, group_index_H)`` of all heads, fp32 (MLA: float64), norms folded.
 
     Args:
         attn: the layer's names.
         tensors: ``{name: TP shards}`` holding at least ``attn.names()``.
         model: head counts.
+        part: MLA's form, ``nope`` or ``rope`` (ignored for other layouts).
     """
     gamma = {n: tensors[n][0].float() if n else None for n in (attn.q_norm, attn.k_norm)}
     q_norm = _norm(attn.norm_kind, model.zero_centered_gamma, gamma[attn.q_norm])
     k_norm = _norm(attn.norm_kind, model.zero_centered_gamma, gamma[attn.k_norm])
+    if attn.layout == "mla":
+        return mla_scan_rows(attn.weights, q_norm, k_norm,
+                             (gamma[attn.q_norm], gamma[attn.k_norm]), tensors, model, part)
     np_, ng = model.num_attention_heads, model.num_query_groups
     if attn.layout == "separate":
         q, k = (tensors[n] for n in attn.weights)

@@ -143,10 +143,16 @@ def test_bad_input_is_named_and_nothing_is_written(tmp_path):
     _save_plain(tmp_path / "mixed", mixed)
     _assert_refused(tmp_path / "mixed", r"mixed shapes: decoder.layers.0.mlp.linear_fc1.weight",
                     out)
-    mla = {s: dict(sd, **{"decoder.layers.0.self_attention.linear_q_down_proj.weight":
-                          torch.zeros(2, D)}) for s, sd in _weights([1, 2]).items()}
+    mla = {s: dict(sd, **{"model.layers.0.self_attn.q_a_proj.weight": torch.zeros(2, D)})
+           for s, sd in _weights([1, 2]).items()}
     _save_plain(tmp_path / "mla", mla)
-    _assert_refused(tmp_path / "mla", "multi-latent attention", out)
+    _assert_refused(tmp_path / "mla", "multi-latent attention in Hugging Face names", out)
+    prefix = "decoder.layers.0.self_attention."
+    nodims = {s: {prefix + "linear_q_proj.weight": torch.zeros(4 * 24, D),
+                  prefix + "linear_kv_up_proj.weight": torch.zeros(4 * 32, 16),
+                  prefix + "linear_kv_down_proj.weight": torch.zeros(24, D)} for s in (1, 2)}
+    _save_plain(tmp_path / "mla_nodims", nodims)
+    _assert_refused(tmp_path / "mla_nodims", "multi-latent attention needs its dims", out)
     (tmp_path / "junk").mkdir()
     for step in (1, 2):
         (tmp_path / "junk" / f"ckpt_{step}.pt").write_bytes(b"not a checkpoint")

@@ -196,13 +196,14 @@ class BF16FlashAttention(torch.nn.Module):
 
 
 def self_attentions(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:
-    """megatron-core self-attention modules (``core_attention`` and ``linear_qkv``) of the
-    chunks."""
+    """megatron-core self-attention modules (``core_attention`` and ``linear_qkv``, or MLA's
+    ``linear_kv_down_proj``) of the chunks."""
     return [
         m
         for chunk in model_chunks
         for m in chunk.modules()
-        if hasattr(m, "core_attention") and hasattr(m, "linear_qkv")
+        if hasattr(m, "core_attention")
+        and (hasattr(m, "linear_qkv") or hasattr(m, "linear_kv_down_proj"))
     ]
 
 

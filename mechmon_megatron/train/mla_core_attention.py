@@ -58,6 +58,13 @@ class MLADotProductAttention(torch.nn.Module):
             raise ValueError("MLADotProductAttention (CPU reference) has no context parallelism")
         self.config = config
         self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        # DotProductAttention's geometry, read by the drill's emulations (faults/core_attention):
+        # one key head per query head.
+        tp = getattr(pg_collection, "tp", None)
+        tp_size = tp.size() if tp is not None else int(config.tensor_model_parallel_size)
+        self.num_attention_heads_per_partition = int(config.num_attention_heads) // tp_size
+        self.num_query_groups_per_partition = self.num_attention_heads_per_partition
         self.k_channels = int(k_channels or config.kv_channels)
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.k_channels)
         self.record_max = bool(getattr(config, "qk_clip", False)

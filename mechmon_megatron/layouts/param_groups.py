@@ -2,7 +2,9 @@
 
 | group     | megatron-core names                        | HF / DeepSpeed names                 |
 | --------- | ------------------------------------------ | ------------------------------------ |
-| qkv       | ``self_attention.linear_qkv.*``            | ``q_proj k_proj v_proj c_attn``      |
+| qkv       | ``self_attention.linear_qkv.*``; MLA's     | ``q_proj k_proj v_proj c_attn``      |
+|           | ``linear_q(_down|_up)_proj``,              |                                      |
+|           | ``linear_kv_(down|up)_proj``               |                                      |
 | attn_out  | ``self_attention.linear_proj.*``           | ``o_proj attn.c_proj out_proj``      |
 | router    | ``mlp.router.*``                           | ``gate.wg``, ``mlp.gate``            |
 | mlp       | ``mlp.*`` (fc1/fc2, experts, shared)       | ``mlp.*``, ``experts.*``             |
@@ -31,7 +33,8 @@ GROUPS = ("qkv", "attn_out", "router", "mlp", "norm", "embedding", "output", "ot
 _RULES: tuple[tuple[str, re.Pattern], ...] = (
     ("norm", re.compile(r"(layernorm|layer_norm|_norm\b|\bnorm\b|\bln_|\.ln\d|norm\.)")),
     ("router", re.compile(r"(mlp\.router\.|\.gate\.wg\.|mlp\.gate\.|block_sparse_moe\.gate\.)")),
-    ("qkv", re.compile(r"(linear_qkv|q_proj|k_proj|v_proj|qkv_proj|query_key_value|c_attn)")),
+    ("qkv", re.compile(r"(linear_qkv|q_proj|k_proj|v_proj|qkv_proj|query_key_value|c_attn|"
+                       r"linear_q_(down|up)_proj|linear_kv_(down|up)_proj)")),
     ("attn_out", re.compile(r"(self_attention\.linear_proj|o_proj|attn\.c_proj|out_proj)")),
     ("mlp", re.compile(r"(\.mlp\.|experts|\.ffn\.|feed_forward)")),
     ("embedding", re.compile(r"(embedding|embed_tokens|\bwte\b|\bwpe\b)")),

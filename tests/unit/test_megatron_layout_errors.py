@@ -1,4 +1,5 @@
-"""Attention modules the QK monitor cannot read are refused by name and type."""
+"""Attention modules the QK monitor cannot read are refused by name and type; MLA is found and
+its projections are grouped."""
 
 from __future__ import annotations
 
@@ -68,3 +69,14 @@ def test_a_low_precision_read_names_its_reason():
     owner = types.SimpleNamespace(model_param_gbuf_map={sharded: 0}, chained_optimizers=None,
                                   config=types.SimpleNamespace(use_precision_aware_optimizer=True))
     assert "--overlap-param-gather" in low_precision_reason(sharded, owner)
+
+
+def test_mla_projections_count_in_the_qkv_weight_group_and_latent_norms_in_norm():
+    from mechmon_megatron.layouts.param_groups import param_group
+
+    prefix = "decoder.layers.3.self_attention."
+    for module in ("linear_q_down_proj", "linear_q_up_proj", "linear_q_proj",
+                   "linear_kv_down_proj", "linear_kv_up_proj"):
+        assert param_group(f"{prefix}{module}.weight") == "qkv", module
+    assert param_group(f"{prefix}kv_layernorm.weight") == "norm"
+    assert param_group(f"{prefix}linear_proj.weight") == "attn_out"

@@ -66,9 +66,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm_latch import latch_alarm_file
+from mechmon_megatron.assembly import Restore, assemble, resume
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.deepspeed_monitors import (
     CONFIG_KEY,
     adam_beta2,
@@ -80,8 +79,8 @@ from mechmon_megatron.integrations.deepspeed_optim import BatchCache
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import Sink, build_sinks
 
-__all__ = ["CONFIG_KEY", "DeepSpeedActions", "DeepSpeedMechMon", "attach", "engine_config",
-           "build_monitors"]
+__all__ = ["CONFIG_KEY", "DeepSpeedActions", "DeepSpeedFramework", "DeepSpeedMechMon", "attach",
+           "build_monitors", "engine_config"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,9 +171,9 @@ class DeepSpeedMechMon:
 
     # -- wiring --------------------------------------------------------------------------------
 
-    def install(self, monitors: Sequence[Any], sinks: Sequence[Sink] | None) -> None:
-        """Attach the MechMon and wrap the engine (called by :func:`attach`)."""
-        self.mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks)
+    def install(self, mon: MechMon) -> None:
+        """Keep the assembled MechMon and wrap the engine (called by :func:`attach`)."""
+        self.mon = mon
         wrappers = {"_take_model_step": self._take_model_step, "backward": self._backward,
                     "save_checkpoint": self._save_checkpoint,
                     "load_checkpoint": self._load_checkpoint}
@@ -243,15 +242,17 @@ class DeepSpeedMechMon:
         state = (client_state or {}).get(CONFIG_KEY) if path is not None else None
         # DeepSpeed returns the model-states file; the checkpoint is its <load_dir>/<tag> folder.
         checkpoint = os.path.dirname(str(path)) if path is not None else None
-        if not self.mon.load_state_if_all(state, source=checkpoint) and path is not None:
+        restored = self.mon.load_state_if_all(state, source=checkpoint)
+        if not restored and path is not None:
             warnings.warn(f"mechmon: no monitor state in {path} on every rank; monitoring "
                           "starts on fresh baselines", RuntimeWarning, stacklevel=2)
-            # The alarm file the stopping run wrote beside its checkpoint still latches.
-            latch_alarm_file(self.mon, load_dir, int(self.engine.global_steps))
         self._begun = None
         self._losses = []
-        # A re-raised alarm's file goes to this run's save directory, not the loaded one's.
-        self.mon.check_resume(checkpoint, alarm_dir=self.actions.save_dir)
+        # Without the state, the alarm file the stopping run wrote beside its checkpoint still
+        # latches; a re-raised alarm's file goes to this run's save directory.
+        resume(self.mon, Restore(restored, load_dir if path is not None else None,
+                                 int(self.engine.global_steps), checkpoint,
+                                 self.actions.save_dir))
         return result
 
 
@@ -279,17 +280,46 @@ def attach(
         ValueError: an invalid ``"mechmon"`` block (the message names ``mechmon.<path>``), or a
             model the enabled monitors cannot read.
     """
-    cfg = resolve_schedule(engine_config(engine, config), warmup_steps(engine),
-                           adam_beta2(engine))
+    cfg = engine_config(engine, config)
     hooks = DeepSpeedMechMon(engine, cfg, save_dir or os.path.join(cfg.output_dir, "checkpoints"))
-    if not cfg.enabled:
-        return hooks
-    monitors = build_monitors(cfg, engine, batch=hooks.batch)
-    if sinks is None and comm.global_rank() == 0:
+    assembly = assemble(cfg, DeepSpeedFramework(hooks, sinks))
+    hooks.config = assembly.config
+    if assembly.enabled:
+        hooks.install(assembly.mon)
+    return hooks
+
+
+class DeepSpeedFramework:
+    """The assembly's adapter for a DeepSpeed engine: schedule from its LR scheduler and
+    optimizer, monitors over ``engine.module``, sinks on global rank 0 with the engine's
+    monitor; the state is restored later, in ``engine.load_checkpoint``."""
+
+    name = "deepspeed"
+    logging_rank = 0
+
+    def __init__(self, hooks: DeepSpeedMechMon, sinks: Sequence[Sink] | None) -> None:
+        self.hooks, self.engine, self._sinks = hooks, hooks.engine, sinks
+        self.actions = hooks.actions
+
+    def schedule(self) -> tuple[int, float | None]:
+        """``WarmupLR``-style warm-up steps and the optimizer's beta2."""
+        return warmup_steps(self.engine), adam_beta2(self.engine)
+
+    def monitors(self, config: MechMonConfig) -> list[Any]:
+        """The enabled families over ``engine.module`` (collective)."""
+        return build_monitors(config, self.engine, batch=self.hooks.batch)
+
+    def sinks(self, config: MechMonConfig) -> list[Sink] | None:
+        """The given sinks, else the config's plus the engine's monitor when enabled."""
+        if self._sinks is not None:
+            return list(self._sinks)
         from mechmon_megatron.sinks.deepspeed_monitor import DeepSpeedMonitorSink
 
-        sinks = build_sinks(cfg.sinks, cfg.output_dir)
-        if getattr(engine.monitor, "enabled", False):
-            sinks.append(DeepSpeedMonitorSink(engine.monitor))
-    hooks.install(monitors, sinks)
-    return hooks
+        sinks = build_sinks(config.sinks, config.output_dir)
+        if getattr(self.engine.monitor, "enabled", False):
+            sinks.append(DeepSpeedMonitorSink(self.engine.monitor))
+        return sinks
+
+    def restore(self, mon: Any) -> None:
+        """Nothing at attach: :meth:`DeepSpeedMechMon.load` restores with the checkpoint."""
+        return None

@@ -10,10 +10,16 @@
 Bridge fires its callbacks on every rank, in this order per iteration (``train_state.step`` =
 completed updates, incremented after ``on_train_step_end``)::
 
-    on_train_start                 build monitors from ctx.model / ctx.optimizer, attach (sinks on
-                                   rank world_size - 1 with Bridge's TensorBoard / W&B loggers),
-                                   load the state of <load>/iter_NNNNNNN (any parallel layout:
-                                   integrations/megatron_state.py), check_resume()
+    on_train_start                 assemble (mechmon_megatron/assembly.py), as Megatron-LM does:
+                                   detection from the end of the LR warm-up (the scheduler's
+                                   lr_warmup_steps / train.global_batch_size) and the optim
+                                   family ceil(1 / (1 - optimizer.adam_beta2)) steps later;
+                                   monitors from ctx.model / ctx.optimizer with the sharpness
+                                   probe (megatron_bridge_probe.py: the step's first forward,
+                                   replayed); sinks on rank world_size - 1 with Bridge's
+                                   TensorBoard / W&B loggers; the state of <load>/iter_NNNNNNN
+                                   (any parallel layout: integrations/megatron_state.py);
+                                   check_resume()
     on_train_step_start            begin_step(step + 1)
       train_step                   forward/backward/optimizer step
     on_train_step_end              end_step(step + 1, loss_dict["lm loss"], grad_norm)
@@ -53,18 +59,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm_latch import latch_alarm_file
+from mechmon_megatron.assembly import Restore, assemble
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.integrations.megatron_bridge_probe import ForwardBatch
 from mechmon_megatron.integrations.megatron_core import (
-    build_monitors,
+    McoreFramework,
     force_param_sync,
+    megatron_schedule,
     needs_param_sync,
 )
 from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
-__all__ = ["BridgeActions", "MechMonCallback", "state_path"]
+__all__ = ["BridgeActions", "BridgeFramework", "MechMonCallback", "state_path"]
 
 TRAIN_MODULE = "megatron.bridge.training.train"
 LOSS_KEY = "lm loss"
@@ -103,6 +111,48 @@ class BridgeActions:
         self.state.signal_handler._signal_received = True
 
 
+class BridgeFramework(McoreFramework):
+    """The assembly's adapter for Bridge: schedule from ``cfg.scheduler`` / ``cfg.optimizer``
+    (as Megatron-LM's), the probe's batch from :class:`ForwardBatch`, sinks on rank
+    ``world_size - 1`` with Bridge's TensorBoard / W&B loggers, the monitor state of
+    ``<load>/iter_NNNNNNN`` restored at set-up."""
+
+    name = "megatron_bridge"
+
+    def __init__(self, callback: MechMonCallback, context: Any) -> None:
+        super().__init__(list(context.model), context.optimizer, callback.actions,
+                         probe_loss=callback.batch.probe_loss,
+                         has_batch=callback.batch.has_batch, logging_rank=comm.world_size() - 1)
+        self.state, self.scheduler = context.state, getattr(context, "scheduler", None)
+
+    def schedule(self) -> tuple[int, float | None]:
+        """Warm-up iterations and Adam's beta2 (:func:`megatron_schedule`)."""
+        cfg = self.state.cfg
+        gbs = getattr(getattr(cfg, "train", None), "global_batch_size", None)
+        return megatron_schedule(self.scheduler, gbs, getattr(cfg, "optimizer", None))
+
+    def sinks(self, config: MechMonConfig) -> list[Any]:
+        """The config's sinks, sharing Bridge's TensorBoard and W&B loggers."""
+        return build_sinks(config.sinks, config.output_dir,
+                           tensorboard_writer=getattr(self.state, "tensorboard_logger", None),
+                           wandb_run=getattr(self.state, "wandb_logger", None))
+
+    def restore(self, mon: Any) -> Restore:
+        """The monitor state saved with the resumed checkpoint (any parallel layout)."""
+        state = self.state
+        save = getattr(state.cfg.checkpoint, "save", None)
+        iteration = int(state.train_state.step)
+        load = getattr(state.cfg.checkpoint, "load", None)
+        if not load or iteration <= 0:
+            return Restore(False, alarm_dir=save)
+        loaded, problem = load_state(mon, _iteration_dir(load, iteration))
+        if problem is not None and (not loaded or comm.global_rank() == 0):
+            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
+                          + ("restored, " if loaded else "not restored, ") + problem,
+                          RuntimeWarning, stacklevel=2)
+        return Restore(loaded, load, iteration, alarm_dir=save)
+
+
 class MechMonCallback:
     """A Megatron-Bridge callback (duck-typed: ``CallbackManager.add`` registers the ``on_*``
     methods a class defines, so this class need not import Bridge).
@@ -121,34 +171,32 @@ class MechMonCallback:
         self.actions: BridgeActions | None = None
         self._original_save: Any = None
         self._sync_params = False
+        self.batch = ForwardBatch()
+        """The step's first forward inputs, replayed by the sharpness probe."""
 
     # -- events --------------------------------------------------------------------------------
 
     def on_train_start(self, context: Any) -> None:
-        """Attach the monitors, wrap the save, restore state, re-raise a pending alarm."""
+        """Assemble the monitor (schedule, probe, sinks), wrap the save, restore the state,
+        re-raise a pending alarm."""
         if not self.config.enabled or self.mon is not None:
             return
         state = context.state
-        monitors = build_monitors(self.config, list(context.model), context.optimizer)
-        logging_rank = comm.world_size() - 1
-        sinks = None
-        if comm.global_rank() == logging_rank:
-            sinks = build_sinks(self.config.sinks, self.config.output_dir,
-                                tensorboard_writer=getattr(state, "tensorboard_logger", None),
-                                wandb_run=getattr(state, "wandb_logger", None))
         self.actions = BridgeActions(state)
+        framework = BridgeFramework(self, context)
+        assembly = assemble(self.config, framework)
+        self.config, self.mon = assembly.config, assembly.mon
+        if any(getattr(m, "estimator", None) is not None for m in self.mon.monitors):
+            self.batch.install(list(context.model)[0])
         cfg = state.cfg
         self._sync_params = needs_param_sync(
             _flag(cfg, "optimizer", "use_distributed_optimizer")
             or _flag(cfg, "ddp", "use_distributed_optimizer"),
             _flag(cfg, "ddp", "overlap_param_gather"),
             _flag(cfg, "optimizer", "use_precision_aware_optimizer"))
-        self.mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks,
-                                               logging_rank=logging_rank)
         atexit.register(self.mon.close)
         self._wrap_save(state)
-        self._load_state(state)
-        verdict = self.mon.check_resume(alarm_dir=getattr(cfg.checkpoint, "save", None))
+        verdict = assembly.verdict
         if verdict is not None and verdict.exit_requested:
             self._leave_together()
             raise SystemExit(self.actions.exit_code)
@@ -158,6 +206,7 @@ class MechMonCallback:
         if self.mon is None:
             return
         step = int(context.state.train_state.step) + 1
+        self.batch.forget()
         if self._sync_params and self.mon.is_monitored(step):
             force_param_sync(context.model)  # the previous update's all-gather, before reads
         self.mon.begin_step(step)
@@ -174,7 +223,8 @@ class MechMonCallback:
             self._leave_together()
 
     def on_train_end(self, context: Any) -> None:
-        """Close the sinks at a clean end of training."""
+        """Close the sinks and remove the probe's hook at a clean end of training."""
+        self.batch.remove()
         if self.mon is not None:
             self.mon.close()
 
@@ -197,19 +247,6 @@ class MechMonCallback:
             return result
 
         module.save_checkpoint = save_checkpoint
-
-    def _load_state(self, state: Any) -> None:
-        iteration = int(state.train_state.step)
-        load = getattr(state.cfg.checkpoint, "load", None)
-        if not load or iteration <= 0:
-            return
-        loaded, problem = load_state(self.mon, _iteration_dir(load, iteration))
-        if problem is not None and (not loaded or comm.global_rank() == 0):
-            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
-                          + ("restored, " if loaded else "not restored, ") + problem,
-                          RuntimeWarning, stacklevel=2)
-        if not loaded:  # second latch; an unreadable alarm.json is warned about
-            latch_alarm_file(self.mon, load, iteration)
 
     def _leave_together(self) -> None:
         """Flush the sinks (and Bridge's TensorBoard logger) before any rank can leave."""

@@ -30,7 +30,8 @@ from mechmon_megatron.layouts.megatron_qkv import (
 from mechmon_megatron.monitors.qk_source import owner_replica
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 
-__all__ = ["qk_sources", "build_monitors", "attach", "needs_param_sync", "force_param_sync"]
+__all__ = ["McoreFramework", "attach", "build_monitors", "force_param_sync", "megatron_schedule",
+           "needs_param_sync", "qk_sources"]
 
 
 def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None, dp_rank: int = 0,
@@ -144,22 +145,79 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
     return monitors
 
 
+class McoreFramework:
+    """The megatron-core adapter of :func:`~mechmon_megatron.assembly.assemble`: model chunks,
+    optimizer and what the caller knows of the schedule. Megatron-LM's and Bridge's adapters
+    extend it with their own schedule, sinks and state location.
+
+    Args:
+        model_chunks: the model chunks of this rank.
+        optimizer: the optimizer (its fp32 main params and Adam state are read).
+        actions: how the loop saves and exits on an alarm.
+        sinks: the logging rank's sinks (None: those of ``config.sinks``).
+        probe_loss, has_batch: the sharpness probe's micro-batch (see :func:`build_monitors`).
+        warmup_steps: LR warm-up in optimizer steps; beta2: Adam's beta2 (None: not Adam).
+    """
+
+    name = "megatron_core"
+
+    def __init__(self, model_chunks: list[torch.nn.Module], optimizer: Any = None,
+                 actions: Any = None, sinks: Any = None, probe_loss: Any = None,
+                 has_batch: Any = None, warmup_steps: int = 0,
+                 beta2: float | None = None, logging_rank: int = 0) -> None:
+        self.model_chunks, self.optimizer = list(model_chunks), optimizer
+        self.actions, self._sinks = actions, sinks
+        self.probe_loss, self.has_batch = probe_loss, has_batch
+        self.warmup_steps, self.beta2 = int(warmup_steps), beta2
+        self.logging_rank = int(logging_rank)
+
+    def schedule(self) -> tuple[int, float | None]:
+        """The warm-up and beta2 given to the constructor."""
+        return self.warmup_steps, self.beta2
+
+    def monitors(self, config: Any) -> list[Any]:
+        """:func:`build_monitors` over the chunks (collective)."""
+        return build_monitors(config, self.model_chunks, self.optimizer, self.probe_loss,
+                              self.has_batch)
+
+    def sinks(self, config: Any) -> Any:
+        """The sinks given to the constructor (None: the config's)."""
+        return self._sinks
+
+    def restore(self, mon: Any) -> Any:
+        """Nothing at set-up: the loop restores with its checkpoint and calls ``resume``."""
+        return None
+
+
+def megatron_schedule(scheduler: Any, global_batch_size: Any,
+                      optimizer_args: Any) -> tuple[int, float | None]:
+    """``(warm-up iterations, Adam beta2)`` of a Megatron-LM or Bridge run: the scheduler's
+    ``lr_warmup_steps`` counts samples (``lr_warmup_iters`` x global batch, ``lr_warmup_samples``
+    or the fraction's share); beta2 is ``adam_beta2`` when ``optimizer`` is Adam, else None."""
+    samples = getattr(scheduler, "lr_warmup_steps", 0) or 0
+    warmup = int(samples) // max(1, int(global_batch_size or 1))
+    beta2 = None
+    if str(getattr(optimizer_args, "optimizer", "adam")).startswith("adam"):
+        beta2 = getattr(optimizer_args, "adam_beta2", None)
+    return warmup, beta2
+
+
 def attach(config: Any, model_chunks: list[torch.nn.Module], optimizer: Any = None,
            actions: Any = None, sinks: Any = None, probe_loss: Any = None,
-           has_batch: Any = None) -> Any:
-    """Build the monitors and return an attached :class:`mechmon_megatron.monitor.MechMon`.
+           has_batch: Any = None, warmup_steps: int = 0, beta2: float | None = None) -> Any:
+    """Build the monitors and return an attached :class:`mechmon_megatron.monitor.MechMon`
+    (:func:`~mechmon_megatron.assembly.assemble` with a :class:`McoreFramework`).
 
-    With ``enabled: false`` nothing is built, hooked or gathered: the result is a
+    ``warmup_steps`` / ``beta2``: the LR warm-up and Adam's beta2, from which detection starts
+    (:func:`~mechmon_megatron.detect.schedule.resolve_schedule`). With ``enabled: false`` nothing
+    is built, hooked or gathered: the result is a
     :class:`~mechmon_megatron.monitor_disabled.DisabledMechMon`, whose calls do nothing.
     """
-    if not getattr(config, "enabled", True):
-        from mechmon_megatron.monitor_disabled import DisabledMechMon
+    from mechmon_megatron.assembly import assemble
 
-        return DisabledMechMon(config)
-    from mechmon_megatron.monitor import MechMon
-
-    monitors = build_monitors(config, model_chunks, optimizer, probe_loss, has_batch)
-    return MechMon(config).attach(monitors, actions=actions, sinks=sinks)
+    framework = McoreFramework(model_chunks, optimizer, actions, sinks, probe_loss, has_batch,
+                               warmup_steps, beta2)
+    return assemble(config, framework).mon
 
 
 def needs_param_sync(distributed_optimizer: bool, overlap_param_gather: bool,

@@ -76,12 +76,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm_latch import latch_alarm_file
+from mechmon_megatron.assembly import Restore, assemble
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.integrations.megatron_core import (
-    build_monitors,
+    McoreFramework,
     force_param_sync,
+    megatron_schedule,
     needs_param_sync,
 )
 from mechmon_megatron.integrations.megatron_lm_args import (
@@ -105,6 +105,7 @@ __all__ = [
     "FT_LAUNCHER_ENV",
     "ContractError",
     "MegatronLMActions",
+    "MegatronLMFramework",
     "MegatronLMHooks",
     "add_mechmon_args",
     "chain_extra_args_provider",
@@ -168,18 +169,45 @@ class MegatronLMActions:
         self.exit_code = int(exit_code)
 
 
-def _warmup_iterations(scheduler: Any, margs: Any) -> int:
-    """LR warm-up length in iterations: the scheduler's ``lr_warmup_steps`` counts samples
-    (``--lr-warmup-iters`` x global batch, ``--lr-warmup-samples`` or the fraction's share)."""
-    samples = getattr(scheduler, "lr_warmup_steps", 0) or 0
-    return int(samples) // max(1, int(getattr(margs, "global_batch_size", 1) or 1))
+class MegatronLMFramework(McoreFramework):
+    """The assembly's adapter for Megatron-LM: schedule from ``get_args()`` and the scheduler,
+    sinks on rank ``world_size - 1`` with Megatron's TensorBoard / W&B writers, the monitor
+    state of ``<load>/iter_NNNNNNN`` restored at set-up."""
 
+    name = "megatron_lm"
 
-def _adam_beta2(margs: Any) -> float | None:
-    """``--adam-beta2`` when the optimizer is Adam, else None."""
-    if str(getattr(margs, "optimizer", "adam")).startswith("adam"):
-        return getattr(margs, "adam_beta2", None)
-    return None
+    def __init__(self, hooks: MegatronLMHooks, model: list[Any], optimizer: Any,
+                 scheduler: Any) -> None:
+        super().__init__(model, optimizer, hooks.actions, probe_loss=hooks.batch.probe_loss,
+                         has_batch=hooks.batch.has_batch, logging_rank=comm.world_size() - 1)
+        self.training, self.scheduler = hooks.training, scheduler
+
+    def schedule(self) -> tuple[int, float | None]:
+        """Warm-up iterations and ``--adam-beta2`` (:func:`megatron_schedule`)."""
+        margs = self.training.get_args()
+        return megatron_schedule(self.scheduler, getattr(margs, "global_batch_size", 1), margs)
+
+    def sinks(self, config: MechMonConfig) -> list[Any]:
+        """The config's sinks, sharing Megatron's TensorBoard and W&B writers."""
+        return build_sinks(config.sinks, config.output_dir,
+                           tensorboard_writer=self.training.get_tensorboard_writer(),
+                           wandb_run=self.training.get_wandb_writer())
+
+    def restore(self, mon: Any) -> Restore:
+        """The monitor state saved with the resumed checkpoint (any parallel layout;
+        collective)."""
+        margs = self.training.get_args()
+        save = getattr(margs, "save", None)
+        iteration = int(getattr(margs, "iteration", 0) or 0)
+        if not margs.load or iteration <= 0 or getattr(margs, "finetune", False):
+            return Restore(False, alarm_dir=save)
+        loaded, problem = load_state(mon, _iteration_dir(margs.load, iteration))
+        if problem is not None and (not loaded or comm.global_rank() == 0):
+            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
+                          + ("restored, " if loaded else "not restored, ") + problem
+                          + ("" if loaded else "; monitoring starts on fresh baselines"),
+                          RuntimeWarning, stacklevel=2)
+        return Restore(loaded, margs.load, iteration, alarm_dir=save)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,49 +270,22 @@ class MegatronLMHooks:
         margs = self.training.get_args()
         if not self.config.enabled or optimizer is None:
             return result
-        self.config = resolve_schedule(self.config, _warmup_iterations(scheduler, margs),
-                                       _adam_beta2(margs))
         chunks = model if isinstance(model, list) else [model]
-        monitors = build_monitors(self.config, chunks, optimizer,
-                                  probe_loss=self.batch.probe_loss, has_batch=self.batch.has_batch)
-        self.record_batch = any(getattr(m, "estimator", None) is not None for m in monitors)
+        assembly = assemble(self.config, MegatronLMFramework(self, chunks, optimizer, scheduler))
+        self.config, mon = assembly.config, assembly.mon
+        self.mon = mon
+        self.record_batch = any(getattr(m, "estimator", None) is not None for m in mon.monitors)
         self.sync_params = needs_param_sync(
             getattr(margs, "use_distributed_optimizer", False),
             getattr(margs, "overlap_param_gather", False),
             getattr(margs, "use_precision_aware_optimizer", False))
-        logging_rank = comm.world_size() - 1
-        sinks = None
-        if comm.global_rank() == logging_rank:
-            sinks = build_sinks(self.config.sinks, self.config.output_dir,
-                                tensorboard_writer=self.training.get_tensorboard_writer(),
-                                wandb_run=self.training.get_wandb_writer())
-        mon = MechMon(self.config).attach(monitors, actions=self.actions, sinks=sinks,
-                                          logging_rank=logging_rank)
-        self.mon = mon
         atexit.register(mon.close)
-        self._load_state(margs)
-        verdict = mon.check_resume(alarm_dir=getattr(margs, "save", None))
+        verdict = assembly.verdict
         if verdict is not None and verdict.exit_requested:
             self._announce_exit(verdict.alarm, "on resume, before any step")
             self.leave_together()
             sys.exit(self.alarm_exit_code)
         return result
-
-    def _load_state(self, margs: Any) -> None:
-        """Restore the monitor state saved with the resumed checkpoint
-        (:func:`~mechmon_megatron.integrations.megatron_state.load_state`: any parallel layout);
-        collective."""
-        iteration = int(getattr(margs, "iteration", 0) or 0)
-        if not margs.load or iteration <= 0 or getattr(margs, "finetune", False):
-            return
-        loaded, problem = load_state(self.mon, _iteration_dir(margs.load, iteration))
-        if problem is not None and (not loaded or comm.global_rank() == 0):
-            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
-                          + ("restored, " if loaded else "not restored, ") + problem
-                          + ("" if loaded else "; monitoring starts on fresh baselines"),
-                          RuntimeWarning, stacklevel=2)
-        if not loaded:
-            latch_alarm_file(self.mon, margs.load, iteration)
 
     # -- per iteration -------------------------------------------------------------------------
 

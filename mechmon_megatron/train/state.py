@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.alarm_latch import latch_alarm_file
+from mechmon_megatron.assembly import Restore, resume
 
 __all__ = ["CheckpointState"]
 
@@ -88,11 +88,11 @@ class CheckpointState:
             restored = self.mon.load_sharded(state["mechmon"], lambda rows: load_state(
                 state["path"], {"mechmon": {k: row_sharded(k, v) for k, v in rows.items()}}
             ).get("mechmon", {}), source=state["path"])
-        if not restored:  # the alarm file the stopping run wrote is the record that is left
-            latch_alarm_file(self.mon, os.path.dirname(state["path"]), self.step)
-        # The alarm file of a re-raise goes to this run's save directory: the loaded
-        # checkpoint's may be another run's, shared or read-only.
-        return self.mon.check_resume(state["path"], alarm_dir=str(self.cfg.save_dir()))
+        # Without the state, the alarm file the stopping run wrote is the record that is left.
+        # A re-raise's file goes to this run's save directory: the loaded checkpoint's may be
+        # another run's, shared or read-only.
+        return resume(self.mon, Restore(restored, os.path.dirname(state["path"]), self.step,
+                                        state["path"], str(self.cfg.save_dir())))
 
     def _load_resharded(self, state: dict[str, Any]) -> bool:
         """Resume under another TP / DP layout: Adam's moments and mechmon's QK snapshots from

@@ -48,7 +48,6 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.atomic_write import atomic_write
-from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.train.data import TextData
 from mechmon_megatron.train.state import CheckpointState
 from mechmon_megatron.train.train_config import TrainConfig, load_train_config, lr_factor
@@ -179,11 +178,11 @@ class _Trainer(CheckpointState):
         self.mon = None
         self.probe_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         if cfg.mechmon.enabled:
-            mech = resolve_schedule(dataclasses.replace(cfg.mechmon, output_dir=cfg.out_dir),
-                                    cfg.optim.warmup_steps, cfg.optim.beta2)
-            self.mon = attach(mech, [self.model], self.optimizer, actions=self,
+            self.mon = attach(dataclasses.replace(cfg.mechmon, output_dir=cfg.out_dir),
+                              [self.model], self.optimizer, actions=self,
                               probe_loss=self._probe_loss,
-                              has_batch=lambda: self.probe_batch is not None)
+                              has_batch=lambda: self.probe_batch is not None,
+                              warmup_steps=cfg.optim.warmup_steps, beta2=cfg.optim.beta2)
 
     # FrameworkActions (save_checkpoint: CheckpointState) ----------------------------------------
 

@@ -49,13 +49,13 @@ def test_integrations_read_the_warm_up_and_beta2_their_framework_keeps():
     from types import SimpleNamespace as NS
 
     from mechmon_megatron.integrations import deepspeed_monitors as ds
-    from mechmon_megatron.integrations import megatron_lm as mlm
+    from mechmon_megatron.integrations.megatron_core import megatron_schedule
 
-    # Megatron's scheduler counts samples: 40 iterations x global batch 16.
+    # Megatron's (and Bridge's) scheduler counts samples: 40 iterations x global batch 16.
     margs = NS(global_batch_size=16, optimizer="adam", adam_beta2=0.95)
-    assert mlm._warmup_iterations(NS(lr_warmup_steps=640), margs) == 40
-    assert mlm._warmup_iterations(None, margs) == 0
-    assert mlm._adam_beta2(margs) == 0.95 and mlm._adam_beta2(NS(optimizer="sgd")) is None
+    assert megatron_schedule(NS(lr_warmup_steps=640), 16, margs) == (40, 0.95)
+    assert megatron_schedule(None, 16, margs) == (0, 0.95)
+    assert megatron_schedule(None, None, NS(optimizer="sgd"))[1] is None
     engine = NS(lr_scheduler=NS(warmup_num_steps=100),
                 optimizer=NS(param_groups=[{"betas": (0.9, 0.999)}]))
     assert ds.warmup_steps(engine) == 100 and ds.adam_beta2(engine) == 0.999

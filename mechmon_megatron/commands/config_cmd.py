@@ -4,6 +4,10 @@
                                         or the error on one line of stderr (exit 2)
     mechmon config defaults [--preset NAME]
                                         every field as YAML, each with its docstring as comment
+    mechmon config thresholds FILE --layers N --heads H [--kv-groups G] [--experts E]
+                              [--warmup W] [--beta2 B] [--json]
+                                        every rule's resolved threshold per family for that
+                                        model shape, without training (commands/thresholds.py)
 
 ``configs/full.yaml`` in the repository is ``mechmon config defaults`` verbatim (a unit test
 keeps them equal), so the comments there are the field docstrings of the
@@ -23,6 +27,8 @@ from typing import Any
 import yaml
 
 from mechmon_megatron.commands.exit_codes import EXIT_USAGE, from_file
+from mechmon_megatron.commands.thresholds import add_arguments as add_threshold_arguments
+from mechmon_megatron.commands.thresholds import render_table, shape_thresholds
 from mechmon_megatron.config import PRESETS, MechMonConfig, load_config
 
 __all__ = ["add_parser", "run", "render_yaml"]
@@ -43,6 +49,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     validate.add_argument("file", help="config file (.yaml, .yml or .json)")
     defaults = sub.add_parser("defaults", help="print the default config as commented YAML")
     defaults.add_argument("--preset", choices=PRESETS, help="print this preset resolved instead")
+    thresholds = sub.add_parser("thresholds", help="print every rule's resolved threshold for a "
+                                "model shape, without training")
+    add_threshold_arguments(thresholds)
     return parser
 
 
@@ -51,6 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if args.config_command == "validate":
         config = from_file(args.file, load_config)
         print(f"OK {args.file} config_hash={config.config_hash()}")
+        return 0
+    if args.config_command == "thresholds":
+        config = from_file(args.file, load_config)
+        table = shape_thresholds(config, args.layers, args.heads, args.kv_groups, args.experts,
+                                 args.warmup, args.beta2)
+        print(render_table(table, args.json), end="")
         return 0
     print(render_yaml(load_config(preset=args.preset)), end="")
     return 0

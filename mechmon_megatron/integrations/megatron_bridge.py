@@ -68,7 +68,11 @@ from mechmon_megatron.integrations.megatron_core import (
     megatron_schedule,
     needs_param_sync,
 )
-from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
+from mechmon_megatron.integrations.megatron_state import (
+    restore_iteration,
+    save_state,
+    state_path,
+)
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -139,18 +143,10 @@ class BridgeFramework(McoreFramework):
 
     def restore(self, mon: Any) -> Restore:
         """The monitor state saved with the resumed checkpoint (any parallel layout)."""
-        state = self.state
-        save = getattr(state.cfg.checkpoint, "save", None)
-        iteration = int(state.train_state.step)
-        load = getattr(state.cfg.checkpoint, "load", None)
-        if not load or iteration <= 0:
-            return Restore(False, alarm_dir=save)
-        loaded, problem = load_state(mon, _iteration_dir(load, iteration))
-        if problem is not None and (not loaded or comm.global_rank() == 0):
-            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
-                          + ("restored, " if loaded else "not restored, ") + problem,
-                          RuntimeWarning, stacklevel=2)
-        return Restore(loaded, load, iteration, alarm_dir=save)
+        checkpoint = self.state.cfg.checkpoint
+        return restore_iteration(mon, getattr(checkpoint, "load", None),
+                                 int(self.state.train_state.step),
+                                 getattr(checkpoint, "save", None))
 
 
 class MechMonCallback:

@@ -96,7 +96,11 @@ from mechmon_megatron.integrations.megatron_lm_args import (
 )
 from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
 from mechmon_megatron.integrations.megatron_lm_probe import StepBatch
-from mechmon_megatron.integrations.megatron_state import load_state, save_state, state_path
+from mechmon_megatron.integrations.megatron_state import (
+    restore_iteration,
+    save_state,
+    state_path,
+)
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -195,19 +199,11 @@ class MegatronLMFramework(McoreFramework):
 
     def restore(self, mon: Any) -> Restore:
         """The monitor state saved with the resumed checkpoint (any parallel layout;
-        collective)."""
+        collective); nothing when fine-tuning."""
         margs = self.training.get_args()
-        save = getattr(margs, "save", None)
-        iteration = int(getattr(margs, "iteration", 0) or 0)
-        if not margs.load or iteration <= 0 or getattr(margs, "finetune", False):
-            return Restore(False, alarm_dir=save)
-        loaded, problem = load_state(mon, _iteration_dir(margs.load, iteration))
-        if problem is not None and (not loaded or comm.global_rank() == 0):
-            warnings.warn(f"mechmon: monitor state of iteration {iteration} "
-                          + ("restored, " if loaded else "not restored, ") + problem
-                          + ("" if loaded else "; monitoring starts on fresh baselines"),
-                          RuntimeWarning, stacklevel=2)
-        return Restore(loaded, margs.load, iteration, alarm_dir=save)
+        load = None if getattr(margs, "finetune", False) else margs.load
+        return restore_iteration(mon, load, int(getattr(margs, "iteration", 0) or 0),
+                                 getattr(margs, "save", None))
 
 
 # ----------------------------------------------------------------------------------------------

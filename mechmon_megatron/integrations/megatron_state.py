@@ -33,11 +33,12 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.assembly import Restore
 from mechmon_megatron.atomic_write import atomic_write
 from mechmon_megatron.plain_state import StateFileError, load_state_file, plain_state
 
-__all__ = ["SHARD_DIR", "state_path", "current_layout", "save_state", "load_state",
-           "row_sharded"]
+__all__ = ["SHARD_DIR", "current_layout", "load_state", "restore_iteration", "row_sharded",
+           "save_state", "state_path"]
 
 SHARD_DIR = "mechmon"
 """Subdirectory of an iteration directory holding the sharded snapshots."""
@@ -183,3 +184,20 @@ def _checked(mon: Any, common: dict[str, Any] | None) -> dict[str, Any] | None:
                       RuntimeWarning, stacklevel=3)
         return None
     return common
+
+
+def restore_iteration(mon: Any, load: str | None, iteration: int,
+                      save: str | None) -> Restore:
+    """Megatron-LM's and Bridge's restore at set-up: the monitor state of
+    ``<load>/iter_NNNNNNN`` (:func:`load_state`; collective), a warning naming what went wrong,
+    and the :class:`~mechmon_megatron.assembly.Restore` the assembly resumes from (a re-raised
+    alarm's file goes to ``save``). ``load`` None or ``iteration`` 0: nothing is loaded."""
+    if not load or iteration <= 0:
+        return Restore(False, alarm_dir=save)
+    loaded, problem = load_state(mon, os.path.join(load, f"iter_{int(iteration):07d}"))
+    if problem is not None and (not loaded or comm.global_rank() == 0):
+        warnings.warn(f"mechmon: monitor state of iteration {iteration} "
+                      + ("restored, " if loaded else "not restored, ") + problem
+                      + ("" if loaded else "; monitoring starts on fresh baselines"),
+                      RuntimeWarning, stacklevel=3)
+    return Restore(loaded, load, int(iteration), alarm_dir=save)

@@ -14,7 +14,6 @@ installed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,19 +23,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests._bridge import callbacks_file
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _callbacks_file() -> str | None:
-    spec = importlib.util.find_spec("megatron")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root) / "bridge" / "training" / "callbacks.py"
-        if path.is_file():
-            return str(path)
-    return None
-
-
-CALLBACKS = _callbacks_file()
+CALLBACKS = callbacks_file()
 pytestmark = pytest.mark.skipif(CALLBACKS is None,
                                 reason="megatron-bridge not installed (pip install --no-deps "
                                        "megatron-bridge)")

@@ -24,11 +24,11 @@ import json
 import os
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from mechmon_megatron.alarm import jsonable
+from tests._bridge import callbacks_file
 from tests._dist import run_distributed
 
 pytest.importorskip("megatron.core")
@@ -36,15 +36,6 @@ pytest.importorskip("deepspeed")
 
 NS = types.SimpleNamespace
 WARMUP, GBS, BETA2 = 10, 4, 0.95
-
-
-def _callbacks_file() -> str | None:
-    spec = importlib.util.find_spec("megatron")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(root) / "bridge" / "training" / "callbacks.py"
-        if path.is_file():
-            return str(path)
-    return None
 
 
 def _bridge_context(callbacks: str | None, **fields):
@@ -125,7 +116,7 @@ def _worker(rank: int, world_size: int, tmp: str, callbacks: str | None) -> dict
 
 
 def test_every_integration_assembles_the_same_monitor_from_the_same_model_and_config(tmp_path):
-    out = run_distributed(_worker, 1, str(tmp_path), _callbacks_file(), timeout=300)[0]
+    out = run_distributed(_worker, 1, str(tmp_path), callbacks_file(), timeout=300)[0]
     reference = out["megatron_core"]
     assert reference["schedule"]["start_step"] == WARMUP
     assert reference["schedule"]["family_start"]["optim"] == WARMUP + 20  # ceil(1/(1-0.95))

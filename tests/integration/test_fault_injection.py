@@ -4,7 +4,7 @@ Four real gloo ranks train the reference trainer's megatron-core MoE GPT at TP=2
 QK (per head and layer sketch), router and optim monitors on every step. Rank 1 raises at one
 site per step: the QK read's local phase, the per-head spectra, the sketch's inputs, the
 sketch's operator setup (steps 2-5), the save of its QK snapshot rows in the checkpoint after
-step 5, the monitor state load on resume, the router's packing, the optim read and a local phase
+step 5, the monitor state load on resume (which actions.fresh_state resumes past), the router's packing, the optim read and a local phase
 of the sharpness estimate (steps 6-8; the estimate's forward runs the TP collectives).
 Nothing hangs (the harness's timeout), every rank ends with the same table at every step
 (nothing mispaired), exactly the affected signals are NaN, training is bitwise what it is
@@ -45,7 +45,8 @@ def _config(out_dir: str, steps: int, load: str | None = None) -> dict:
             "router": {"enabled": True, "interval": 1},
             "optim": {"enabled": True, "interval": 1, "warmup_steps": 0,
                       "sharpness": {"interval": 8, "iters": 2, "tol": 0.0, "batch_size": 0}},
-            "actions": {"on_alarm": "log"},
+            # the injected load failure is one the user chose to resume past
+            "actions": {"on_alarm": "log", "fresh_state": load is not None},
             "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}},
         },
     }

@@ -65,7 +65,7 @@ from mechmon_megatron.faults.config import (
     RouterFaultConfig,
 )
 from mechmon_megatron.train.data import DataConfig
-from mechmon_megatron.train.model import ModelSpec, ParallelSpec
+from mechmon_megatron.train.model import MLA_DIMS, ModelSpec, ParallelSpec
 from mechmon_megatron.train.train_config import OptimConfig
 
 __all__ = [
@@ -129,9 +129,13 @@ class CampaignModel(ModelSpec):
     """Core attention of every run on this model (``fp8_flash`` for fp8_attention drills)."""
 
     def spec(self) -> dict[str, Any]:
-        """The ``model:`` section of the trainer config (without ``seed``)."""
+        """The ``model:`` section of the trainer config (without ``seed``); the MLA switch and
+        dims only on an MLA model (elsewhere they shape nothing, and left out they keep the
+        runs' keys, :meth:`DrillRun.key`, those of the runs trained before MLA shapes existed,
+        so a finished campaign is reused, not retrained)."""
         data = dataclasses.asdict(self)
-        for key in ("attention", "seed"):
+        mla = () if self.multi_latent_attention else ("multi_latent_attention", *MLA_DIMS)
+        for key in ("attention", "seed", *mla):
             data.pop(key)
         return data
 

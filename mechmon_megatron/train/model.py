@@ -15,7 +15,7 @@ import torch
 
 from mechmon_megatron.config.fields import require
 
-__all__ = ["ModelSpec", "ParallelSpec", "init_parallel", "build_gpt", "destroy_parallel"]
+__all__ = ["MLA_DIMS", "ModelSpec", "ParallelSpec", "init_parallel", "build_gpt", "destroy_parallel"]
 
 
 @dataclass
@@ -34,6 +34,10 @@ class ParallelSpec:
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
             require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+
+
+MLA_DIMS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+"""The :class:`ModelSpec` fields that shape only a multi-latent attention model."""
 
 
 @dataclass

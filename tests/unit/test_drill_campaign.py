@@ -145,3 +145,16 @@ def test_nothing_outside_the_output_directory_is_ever_removed(tmp_path):
     with pytest.raises(ValueError, match="not a directory name under"):
         run_campaign(campaign, tmp_path / "out", progress=False, log=lambda _: None)
     assert (victim / "precious").read_text() == "keep"
+
+
+def test_mla_dims_shape_the_key_of_mla_models_only():
+    from mechmon_megatron.train.model import MLA_DIMS
+
+    dense = build_campaign(load_campaign(_SMALL)).runs[0]
+    # the keys of the runs trained before MLA shapes existed
+    assert not {"multi_latent_attention", *MLA_DIMS} & set(dense.config["model"])
+    mla = load_campaign(_with("models.dense.multi_latent_attention", True))
+    assert set(MLA_DIMS) <= set(build_campaign(mla).runs[0].config["model"])
+    other = load_campaign(_with("models.dense.multi_latent_attention", True))
+    other.models["dense"].kv_lora_rank = 16
+    assert build_campaign(other).runs[0].key() != build_campaign(mla).runs[0].key()

@@ -4,8 +4,9 @@ Four real gloo ranks train the reference trainer's megatron-core MoE GPT at TP=2
 QK (per head and layer sketch), router and optim monitors on every step. Rank 1 raises at one
 site per step: the QK read's local phase, the per-head spectra, the sketch's inputs, the
 sketch's operator setup (steps 2-5), the save of its QK snapshot rows in the checkpoint after
-step 5, the monitor state load on resume (which actions.fresh_state resumes past), the router's packing, the optim read and a local phase
-of the sharpness estimate (steps 6-8; the estimate's forward runs the TP collectives).
+step 5, the monitor state load on resume (which actions.fresh_state resumes past), the
+router's packing, the optim read and a local phase of the sharpness estimate (steps 6-8; the
+estimate's forward runs the TP collectives).
 Nothing hangs (the harness's timeout), every rank ends with the same table at every step
 (nothing mispaired), exactly the affected signals are NaN, training is bitwise what it is
 without the injections, and coverage counts each error; the failed save leaves layer 1 out of

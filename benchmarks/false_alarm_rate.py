@@ -78,6 +78,18 @@ healthy 12-layer run) and the update-ratio rules, whose thresholds fell as the p
 fell from 19 to 11. Real healthy runs are the arbiter: 0 false alarms on the `dev` corpus's
 healthy runs (29,500 steps, weight decay 0.1), where the per-signal rules had one.
 
+The pooled baseline then proved biased: it tracks only samples below half the robust-z
+threshold, so its location sat 0.08 and its scale 6 % low. Unbiased
+(``detect/pooled.GatedBaseline``), the same command reads (80 layers not rerun):
+
+| layers | watched | gaussian  | ar1_0.5   | ar1_0.8   | student3  |
+| -----: | ------: | --------: | --------: | --------: | --------: |
+| 2      | 21      | 0.000 (0) | 0.051 (1) | 0.210 (4) | 0.051 (1) |
+| 24     | 153     | 0.000 (0) | 0.000 (0) | 0.211 (4) | 0.000 (0) |
+
+Still over the budget on AR(1) noise of phi = 0.8 in every signal (real attention entropies
+measure 0.0-0.2): 20-sample windows at 2 layers credit only part of that correlation.
+
 ``--single`` turns on ``robust_z.single`` in the mechanism families (its other columns equal
 the default's): one sample beyond a threshold that the Laplace null puts at ~12 scales. t(3)
 noise crosses that 100-1,700x more often than the budget allows, which is why the single-sample

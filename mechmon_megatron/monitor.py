@@ -85,6 +85,7 @@ class MechMon(StateMixin, CoverageMixin):
         self.config_hash = config_hash(config)
         self.monitors: list[Any] = []
         self.names: list[str] = []
+        self._known: frozenset[str] = frozenset()
         self.intervals: list[int] = []
         self.detectors: Detectors | None = None
         self.sinks: list[Sink] = []
@@ -133,6 +134,7 @@ class MechMon(StateMixin, CoverageMixin):
         for name in names:
             family_of(name)
         self.names = sorted(names)
+        self._known = frozenset(self.names)
         self.intervals = [int(getattr(m, "interval", 1)) for m in self.monitors]
         if any(i < 1 for i in self.intervals):
             raise ValueError(f"mechmon: monitor intervals must be >= 1, got {self.intervals}")
@@ -213,10 +215,10 @@ class MechMon(StateMixin, CoverageMixin):
                     local[key] = float(value)
                 except Exception as exc:  # noqa: BLE001
                     self._error(key, exc)
-        unknown = [k for k in local if k not in self.names]
+        unknown = [k for k in local if k not in self._known]
         if unknown:
             self._error("signals", KeyError(f"undeclared signals dropped: {sorted(unknown)[:5]}"))
-            local = {k: v for k, v in local.items() if k in self.names}
+            local = {k: v for k, v in local.items() if k in self._known}
         table = reduce_signals(local, self.names, self.group)
         table.update(self._derived(table))
         self._schedule_from(step, table)

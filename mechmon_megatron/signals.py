@@ -62,16 +62,15 @@ def reduce_signals(
     if unknown:
         raise KeyError(f"signals not declared at attach time: {sorted(unknown)[:5]}")
     packed = torch.zeros(4, len(names), dtype=torch.float64)
-    for key, value in local.items():
-        if value is None:
-            packed[3, index[key]] = 1.0
-            continue
-        v = float(value)
-        if math.isfinite(v):
-            packed[0, index[key]] = v
-        else:
-            packed[2, index[key]] = 1.0
-        packed[1, index[key]] = 1.0
+    voided = [index[k] for k, v in local.items() if v is None]
+    given = [(index[k], float(v)) for k, v in local.items() if v is not None]
+    at = torch.tensor([i for i, _ in given], dtype=torch.long)
+    value_N = torch.tensor([v for _, v in given], dtype=torch.float64)
+    finite_N = torch.isfinite(value_N)
+    packed[0, at] = torch.where(finite_N, value_N, 0.0)
+    packed[1, at] = 1.0
+    packed[2, at] = (~finite_N).double()
+    packed[3, torch.tensor(voided, dtype=torch.long)] = 1.0
     packed = comm.all_reduce_sum(packed, group)
     total, count, nonfinite, void = packed[0], packed[1], packed[2], packed[3]
     values = torch.where(count > 0, total / count.clamp_min(1.0), torch.full_like(total, math.nan))

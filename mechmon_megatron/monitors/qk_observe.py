@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -34,29 +34,42 @@ from mechmon_megatron.math.spectra import (
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS
 from mechmon_megatron.monitors.qk_source import QKSource
+from mechmon_megatron.monitors.qk_stack import LayerStack, stack_layers
 
-__all__ = ["QKObserve", "STATS", "layer_stats"]
+__all__ = ["QKObserve", "STATS", "head_groups", "layer_stats"]
 
 STATS = ("mean", "min", "max")
 _HEAD_RE = re.compile(r"^(attn/[^/]+/[^/]+/layer_\d+)/head_\d+$")
 
 
-def layer_stats(table: Mapping[str, float]) -> dict[str, float]:
+def head_groups(names: Iterable[str]) -> dict[str, list[str]]:
+    """``{attn/<term>/<metric>/layer_L: [its head_H names in the given order]}``."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        match = _HEAD_RE.match(name)
+        if match:
+            groups.setdefault(match.group(1), []).append(name)
+    return groups
+
+
+def layer_stats(table: Mapping[str, float],
+                groups: Mapping[str, list[str]] | None = None) -> dict[str, float]:
     """Per-layer mean/min/max over heads from the per-head signals of a table.
 
     ``attn/<term>/<metric>/layer_L/head_H`` -> ``attn/<term>/<metric>/layer_L/{mean,min,max}``
     over the observed heads: NaN values (not observed) are skipped; any infinite value (observed,
     not finite) makes all three +inf; NaN when no head was observed. Pure: identical on every rank
-    given the reduced table.
+    given the reduced table. ``groups``: :func:`head_groups` of the table's names, in its order
+    (computed once by a monitor; default: from the table).
     """
-    groups: dict[str, list[float]] = {}
-    for name, value in table.items():
-        match = _HEAD_RE.match(name)
-        if match:
-            groups.setdefault(match.group(1), []).append(float(value))
+    if groups is None:
+        groups = head_groups(table)
     out: dict[str, float] = {}
-    for prefix, values in groups.items():
-        seen = [v for v in values if not math.isnan(v)]
+    for prefix, names in groups.items():
+        present = [float(table[n]) for n in names if n in table]
+        if not present:
+            continue
+        seen = [v for v in present if not math.isnan(v)]
         if not seen or not all(math.isfinite(v) for v in seen):
             stats = (math.inf,) * 3 if seen else (math.nan,) * 3
         else:
@@ -101,23 +114,30 @@ class QKObserve:
             sketch = self._layer_sketch(source, step, pair, void, dims, device)
             tensors.append(sketch[0])
 
-        def decode(values: list[float] | None) -> dict[str, float]:
-            if values is None or values[0] > 0:  # void on some rank: W(t) was not read
-                if rows is not None:
-                    self._restore(source.layer, prev)
-                return self._void_means(source)
-            out: dict[str, float] = {}
-            at = 1
-            if head is not None:
-                out.update(self._decode_head(source, head[1], values[at:at + head[0].numel()]))
-                at += head[0].numel()
-            else:
-                out.update(self._void_means(source))
-            if sketch is not None:
-                out.update(self._decode_sketch(source, pair, sketch[1], values[at:]))
-            return out
+        layer = None if sketch is None else (
+            lambda values: self._decode_sketch(source, pair, sketch[1], values))
+        return tensors, lambda values: self._decode_layer(source, rows is not None, prev, head,
+                                                          layer, values)
 
-        return tensors, decode
+    def _decode_layer(self, source: QKSource, read: bool, prev: dict[str, Any] | None,
+                      head: tuple | None, layer: Callable[[list[float]], dict] | None,
+                      values: list[float] | None) -> dict[str, float]:
+        """One layer's signals from the host copy of its values ``[void, head table, layer
+        part]`` (None: the transfer failed); a void read puts back the snapshot it replaced."""
+        if values is None or values[0] > 0:  # void on some rank: W(t) was not read
+            if read:
+                self._restore(source.layer, prev)
+            return self._void_means(source)
+        out: dict[str, float] = {}
+        at = 1
+        if head is not None:
+            out.update(self._decode_head(source, head[1], values[at:at + head[0].numel()]))
+            at += head[0].numel()
+        else:
+            out.update(self._void_means(source))
+        if layer is not None:
+            out.update(layer(values[at:]))
+        return out
 
     def _restore(self, layer: int, prev: dict[str, Any] | None) -> None:
         """Put back the snapshot a voided read replaced."""
@@ -138,22 +158,38 @@ class QKObserve:
                     ) -> tuple[torch.Tensor, tuple[list[str], list[str]]]:
         """Per-head values on the device: ``[T, 6, H]`` (the five :data:`METRICS` and the
         degenerate flag per term) then ``[F, H]`` form signals; with ``(terms, form names)``."""
-        (wq0, wq1), (wk0, wk1) = pair
-        d_head, d_model = wq1.shape[1], wq1.shape[2]
-        group_index = source.group_index.to(wq1.device, torch.long)
-        spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
-        rows = [_metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
-                for term, sigma2 in spectra.items()]
+        stack = stack_layers([pair], [older], [source.group_index])
+        return self._head_tables(stack, older is not None)[0]
+
+    def _head_tables(self, stack: LayerStack, coherence: bool
+                     ) -> list[tuple[torch.Tensor, tuple[list[str], list[str]]]]:
+        """Head tables of a batch of layers of one shape (:mod:`.qk_stack`), each computation
+        one call over all their heads: per layer ``[T, 6, H]`` then ``[F, H]`` (see
+        :meth:`_head_table`); ``coherence``: the stack holds the older pair."""
+        wq0, wq1, wk0, wk1, group_index = stack.flat()
         form: list[tuple[str, torch.Tensor]] = []
-        if ("coherence", "cos") in self.extra and older is not None:
-            older_q, older_k = older
+        if ("coherence", "cos") in self.extra and coherence:
+            older_q, older_k = (w.flatten(0, 1) for w in stack.older)
             form.append((f"attn/{self.tag}coherence/cos", update_cosine(
                 update_factors(wq0, wq1, wk0, wk1, group_index),
                 update_factors(older_q, wq0, older_k, wk0, group_index))))
         if ("qk", "sigma1") in self.extra:
             form.append((f"attn/{self.tag}qk/sigma1", form_sigma1(wq1, wk1, group_index)))
-        parts = [r.reshape(-1) for r in rows] + [v.to(torch.float64).reshape(-1) for _, v in form]
-        return torch.cat(parts), (list(spectra), [name for name, _ in form])
+        spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
+        d_head, d_model = wq1.shape[1], wq1.shape[2]
+        table_T6H = torch.stack([
+            _metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
+            for term, sigma2 in spectra.items()])
+        form_FH = torch.stack([v.to(torch.float64) for _, v in form]) if form else None
+        meta = (list(spectra), [name for name, _ in form])
+        heads = stack.wq1.shape[1]
+        out = []
+        for at in range(0, wq1.shape[0], heads):
+            values = [table_T6H[:, :, at:at + heads].reshape(-1)]
+            if form_FH is not None:
+                values.append(form_FH[:, at:at + heads].reshape(-1))
+            out.append((torch.cat(values), meta))
+        return out
 
     def _decode_head(self, source: QKSource, meta: tuple[list[str], list[str]],
                      values: list[float]) -> dict[str, float]:

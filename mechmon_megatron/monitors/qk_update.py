@@ -47,7 +47,8 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
-from mechmon_megatron.monitors.qk_observe import STATS, QKObserve, layer_stats
+from mechmon_megatron.monitors.qk_batch import QKBatch
+from mechmon_megatron.monitors.qk_observe import STATS, QKObserve, head_groups, layer_stats
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
 from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
 from mechmon_megatron.monitors.qk_state import (
@@ -79,7 +80,7 @@ def _listed(values: list[int], most: int = 12) -> str:
     return text + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
-class QKUpdateMonitor(QKObserve):
+class QKUpdateMonitor(QKBatch, QKObserve):
     """Monitor of ``W_Q W_K^T`` updates (see the module docstring for its signals).
 
     Args:
@@ -100,6 +101,9 @@ class QKUpdateMonitor(QKObserve):
             ``attn/layer_<tag><term>/...``): ``rope_`` for the decoupled RoPE form of
             multi-latent attention (:mod:`mechmon_megatron.layouts.megatron_mla`), whose no-RoPE
             form has the plain names of standard attention.
+        batched: every owned layer in one batched computation (:mod:`.qk_batch`; exact layer
+            spectra where one rank holds all heads of a layer); False: one layer at a time with
+            the layer sketch everywhere (the reference the batched values are tested against).
 
     Coverage: ``found`` layers this rank owns; ``observed`` / ``skipped`` layers with finite /
     degenerate (zero or non-finite update) results at the last monitored step; ``errors`` caught
@@ -111,9 +115,9 @@ class QKUpdateMonitor(QKObserve):
     def __init__(
         self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None,
         seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, dp_group: comm.Group = comm.SELF,
-        tag: str = "",
+        tag: str = "", batched: bool = True,
     ) -> None:
-        self.config, self.seed, self.tag = config, int(seed), str(tag)
+        self.config, self.seed, self.tag, self.batched = config, int(seed), str(tag), batched
         self.dp_rank, self.dp_size, self.dp_group = int(dp_rank), int(dp_size), dp_group
         self.interval = int(config.interval)
         wanted = config.layers
@@ -139,6 +143,7 @@ class QKUpdateMonitor(QKObserve):
             if self.layer_terms:
                 local = int(source.group_index.max()) + 1 if source.group_index.numel() else 1
                 self._groups[source.layer] = qk_sketch.group_weights(source, local)
+        self._head_groups: dict[str, list[str]] | None = None
         self.errors = 0
         self._observed = 0
         self._skipped = 0
@@ -175,8 +180,9 @@ class QKUpdateMonitor(QKObserve):
         if step % self.interval != 0 or step < int(self.config.warmup_steps):
             return {}
         self._observed = self._skipped = 0
-        pending: list[tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]] = []
-        for source in self.sources:
+        pending: list[tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]] = (
+            self._observe_stage(step) if self.batched else [])
+        for source in ([] if self.batched else self.sources):
             if self.owns(source.layer):
                 pending.append(self._observe(source, step))
             elif source.dp_exchange:  # joins the DP exchange; its void flag is the owner's
@@ -206,7 +212,11 @@ class QKUpdateMonitor(QKObserve):
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
         """Per-layer mean/min/max over heads from the reduced table (see :func:`layer_stats`)."""
-        return layer_stats(table) if self.config.per_head else {}
+        if not self.config.per_head:
+            return {}
+        if self._head_groups is None:
+            self._head_groups = head_groups(self.signal_names())
+        return layer_stats(table, self._head_groups)
 
     def coverage(self) -> dict[str, int]:
         """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring) and

@@ -2,7 +2,8 @@
 
 The sketch's operator calls all-reduce partial products over the ranks; with the shared-seed
 Omega the reduced table (per-head signals, layer stats derived after the reduction, layer sketch)
-must match the single-process table. World size 4 with 2 key groups replicates each group on two
+must match the single-process table of the per-layer path (``batched=False``: it sketches every
+layer, where the batched path computes a layer one process holds whole exactly). World size 4 with 2 key groups replicates each group on two
 ranks (the ng < tp case of megatron-core).
 """
 
@@ -37,7 +38,7 @@ def _weights(step: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
     return wq, wk
 
 
-def _table(rank: int, world: int, groups: int) -> dict[str, float]:
+def _table(rank: int, world: int, groups: int, batched: bool = True) -> dict[str, float]:
     from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
     from mechmon_megatron.signals import reduce_signals
 
@@ -56,7 +57,7 @@ def _table(rank: int, world: int, groups: int) -> dict[str, float]:
     source = QKSource(layer=2, name="decoder.layers.1.self_attention", num_heads=HEADS,
                       head_index=heads, group_index=global_groups - first, read=read,
                       sketch_group=None, num_groups=groups, dims=(D_HEAD, D_MODEL))
-    monitor = QKUpdateMonitor(_config(), [source])
+    monitor = QKUpdateMonitor(_config(), [source], batched=batched)
     for step in STEPS:
         clock["step"] = step
         local = monitor.end_step(step)
@@ -73,7 +74,7 @@ def _tables(rank: int, world: int, group_counts: tuple[int, ...]) -> list[dict[s
 def _check(world: int, group_counts: tuple[int, ...]) -> None:
     per_rank = run_distributed(_tables, world, group_counts, timeout=90)
     for i, groups in enumerate(group_counts):
-        reference = _table(0, 1, groups)
+        reference = _table(0, 1, groups, batched=False)
         worst = 0.0
         for tables in per_rank:
             table = tables[i]

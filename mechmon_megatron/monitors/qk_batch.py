@@ -1,0 +1,169 @@
+"""The QK monitor's batched step: every layer of the stage in one computation.
+
+:meth:`QKBatch._observe_stage` reads every layer (each read's collectives in source order, as
+the per-layer path), then computes what the per-layer path computes one layer at a time in
+batches over the layers of one shape:
+
+- per-head spectra: each layer's two Grams and form signals (its arithmetic), then one
+  ``qk_spectra`` over the stacked ``[sum_l H_l, 2K, 2K]`` cores (one batched Cholesky and
+  ``eigvalsh`` per term) and one metrics call;
+- layer spectra: exact (:mod:`mechmon_megatron.math.layer_spectra`, one batched
+  ``eigvalsh`` per term) where one rank holds all the layer's heads (``sketch_group`` of one
+  rank) and ``n <= EXACT_MAX_DIM``; the randomized sketch (collective over the TP group) only
+  where the heads are sharded or the layer is larger.
+
+The per-head values equal the per-layer path's (the same kernels over a larger batch; within
+1e-6 relative where the batched order changes rounding: tests/unit/test_qk_batch.py). The exact
+layer values replace the sketch's estimates: ``entropy_lo = entropy = entropy_hi``.
+
+Values per layer as the per-layer path lays them out (``qk_observe``), with the exact part
+``[T, 6]`` (the sketch's metrics per term) in the sketch part's place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mechmon_megatron import comm
+from mechmon_megatron.math.layer_spectra import (
+    EXACT_MAX_DIM,
+    exact_dim,
+    layer_factors,
+    layer_metrics,
+    layer_sigma2,
+)
+from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS
+from mechmon_megatron.monitors.qk_source import QKSource
+from mechmon_megatron.monitors.qk_stack import batches, stack_key, stack_layers
+
+__all__ = ["QKBatch"]
+
+Pending = tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]
+
+
+class QKBatch:
+    """Mixin of :class:`~.qk_update.QKUpdateMonitor` (with :class:`~.qk_observe.QKObserve`):
+    the batched monitored step."""
+
+    def _observe_stage(self, step: int) -> list[Pending]:
+        """Read every source and start all computations: per owned layer ``(device tensors,
+        decode)``. Collective like the per-layer path: every rank reads its sources in order and
+        runs the sketches of sharded layers after the reads."""
+        reads = []
+        for source in self.sources:
+            if self.owns(source.layer):
+                reads.append(self._read_owned(source, step))
+            elif source.dp_exchange:  # joins the DP exchange; its void flag is the owner's
+                source.read_rows(lambda where, exc, s=source: self._error(s, where, exc))
+        heads, exact = self._stage_tables(reads)
+        pending: list[Pending] = []
+        for source, rows, void, prev, pair, _, device in reads:
+            tensors = [torch.as_tensor(void, dtype=torch.float64, device=device).reshape(1)]
+            head = heads.get(source.layer)
+            if head is not None:
+                tensors.append(head[0])
+            layer: Callable[[list[float]], dict] | None = None
+            if source.layer in exact:
+                tensors.append(exact[source.layer])
+                layer = lambda values, s=source: self._decode_exact(s, values)  # noqa: E731
+            elif self.layer_terms and (pair is not None
+                                       or comm.world_size(source.sketch_group) > 1):
+                dims = source.dims or (rows[0].shape[1], rows[0].shape[2])
+                sketch = self._layer_sketch(source, step, pair, void, dims, device)
+                tensors.append(sketch[0])
+                layer = (lambda values, s=source, p=pair, t=sketch[1]:  # noqa: E731
+                         self._decode_sketch(s, p, t, values))
+            pending.append((tensors, lambda values, s=source, r=rows, p=prev, h=head, f=layer:
+                            self._decode_layer(s, r is not None, p, h, f, values)))
+        return pending
+
+    def _read_owned(self, source: QKSource, step: int) -> tuple:
+        """``(source, rows, void, previous snapshot, pair, older, device)`` of an owned layer
+        (``pair``, ``older``: :meth:`~.qk_update.QKUpdateMonitor._read`'s)."""
+        rows, void = source.read_rows(lambda where, exc: self._error(source, where, exc))
+        prev = self.snapshots.get(source.layer)
+        pair = older = None
+        if rows is not None:
+            try:
+                pair, older = self._read(source, step, rows)
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+                self._error(source, "read", exc)
+        device = rows[0].device if rows is not None else comm.device_for_group(
+            source.sketch_group)
+        return source, rows, void, prev, pair, older, device
+
+    def _stage_tables(self, reads: list[tuple]
+                      ) -> tuple[dict[int, tuple], dict[int, torch.Tensor]]:
+        """``({layer: head table}, {layer: exact layer spectra [T, 6]})`` of the layers with an
+        update, per batch of one shape (:func:`~.qk_stack.batches`). A failure leaves out the
+        batch's head tables or exact spectra (not observed; no collective to void)."""
+        live = [(source, pair, older) for source, _, _, _, pair, older, _ in reads
+                if pair is not None]
+        heads: dict[int, tuple] = {}
+        exact: dict[int, torch.Tensor] = {}
+        for batch in batches(live, lambda i: stack_key(i[1], i[2], self._exact(i[0], i[1])),
+                             _nbytes):
+            try:
+                stack = stack_layers([p for _, p, _ in batch], [o for _, _, o in batch],
+                                     [s.group_index for s, _, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+                self._errors(batch, "per-head spectra", exc)
+                continue
+            try:
+                tables = self._head_tables(stack, stack.older is not None)
+                heads.update({s.layer: t for (s, _, _), t in zip(batch, tables, strict=True)})
+            except Exception as exc:  # noqa: BLE001
+                self._errors(batch, "per-head spectra", exc)
+            if not self._exact(batch[0][0], batch[0][1]):
+                continue
+            try:
+                weight_LG = torch.stack([self._groups[s.layer][1] for s, _, _ in batch])
+                table_LT6 = torch.stack([layer_metrics(*layer_sigma2(term, *layer_factors(
+                    term, stack.wq0, stack.wq1, stack.wk0, stack.wk1, stack.group_index,
+                    weight_LG))) for term in self.layer_terms], dim=1)
+                exact.update({s.layer: table_LT6[i].reshape(-1)
+                              for i, (s, _, _) in enumerate(batch)})
+            except Exception as exc:  # noqa: BLE001
+                self._errors(batch, "layer spectra", exc)
+        return heads, exact
+
+    def _errors(self, batch: list[tuple], where: str, exc: BaseException) -> None:
+        for source, _, _ in batch:
+            self._error(source, where, exc)
+
+    def _exact(self, source: QKSource, pair: Any) -> bool:
+        """Whether the layer's spectra are computed exactly: an update, every head on this
+        rank, and every term's ``n <= EXACT_MAX_DIM``."""
+        if pair is None or not self.layer_terms or comm.world_size(source.sketch_group) > 1:
+            return False
+        (_, wq), (_, wk) = pair
+        heads, groups = source.num_heads, source.global_groups(wk.shape[0])
+        return (source.head_index.numel() == heads and all(
+            exact_dim(t, heads, groups, wq.shape[1], wq.shape[2]) <= EXACT_MAX_DIM
+            for t in self.layer_terms))
+
+    def _decode_exact(self, source: QKSource, values: list[float]) -> dict[str, float]:
+        """Layer signals from the host copy of the exact part ``[T, 6]``: all +inf when an
+        operator was non-finite; ``fro`` and ``sigma1`` alone for a zero update."""
+        names = [(t, m) for t in self.layer_terms for m in LAYER_METRICS]
+        prefix = f"attn/layer_{self.tag}"
+        if any(math.isnan(values[6 * t + 4]) for t in range(len(self.layer_terms))):
+            return {f"{prefix}{t}/{m}/layer_{source.layer}": math.inf for t, m in names}
+        out: dict[str, float] = {}
+        for (term, metric), v in zip(names, values, strict=True):
+            fro = values[6 * self.layer_terms.index(term) + 4]
+            if fro != 0.0 or metric in ("fro", "sigma1"):
+                out[f"{prefix}{term}/{metric}/layer_{source.layer}"] = v
+        return out
+
+
+def _nbytes(item: tuple) -> int:
+    """Bytes of one layer's float64 rows in a stack (both windows, the older pair)."""
+    _, pair, older = item
+    rows = sum(w.numel() for ws in pair for w in ws) + (
+        sum(w.numel() for w in older) if older is not None else 0)
+    return 8 * rows

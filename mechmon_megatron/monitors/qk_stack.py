@@ -1,0 +1,78 @@
+"""Layers of one shape stacked for the QK monitor's batched arithmetic.
+
+Shape legend: L layers, H local query heads, G local kv groups, K d_head, D d_model.
+
+The rows of the layers a batch holds, in float64 (exact for fp32 and bf16 rows, and the rows
+composed in float64 for MLA), stacked once so that the Grams, the form signals and the exact
+layer spectra of every layer come from one call each instead of one per layer. A batch holds at
+most :data:`BATCH_BYTES` of stacked rows: the transient memory of a batch is bounded, not the
+whole stage's weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["BATCH_BYTES", "LayerStack", "stack_key", "stack_layers", "batches"]
+
+BATCH_BYTES = 2**28
+"""Most bytes of float64 rows (both windows' Q and K, and the older pair) in one batch."""
+
+
+class LayerStack(NamedTuple):
+    """Stacked float64 rows of ``L`` layers: ``wq0``, ``wq1`` ``[L, H, K, D]`` at ``t - delta``
+    and ``t``; ``wk0``, ``wk1`` ``[L, G, K, D]``; ``older`` ``(wq, wk)`` at ``t - 2 delta`` or
+    None; ``group_index`` ``[L, H]``."""
+
+    wq0: torch.Tensor
+    wq1: torch.Tensor
+    wk0: torch.Tensor
+    wk1: torch.Tensor
+    older: tuple[torch.Tensor, torch.Tensor] | None
+    group_index: torch.Tensor
+
+    def flat(self) -> tuple[torch.Tensor, ...]:
+        """``(wq0, wq1, wk0, wk1)`` as ``[L H, K, D]`` / ``[L G, K, D]`` and the group index
+        ``[L H]`` of each query head among the ``L G`` stacked groups."""
+        n_layers, groups = self.wk1.shape[:2]
+        offset_L1 = torch.arange(n_layers, device=self.group_index.device)[:, None] * groups
+        return (self.wq0.flatten(0, 1), self.wq1.flatten(0, 1), self.wk0.flatten(0, 1),
+                self.wk1.flatten(0, 1), (self.group_index + offset_L1).flatten())
+
+
+def stack_key(pair: tuple, older: tuple | None, extra: Any = None) -> tuple:
+    """What layers of one batch share: row shapes, device, whether they have the older pair."""
+    (_, wq), (_, wk) = pair
+    return (tuple(wq.shape), tuple(wk.shape), wq.device, older is not None, extra)
+
+
+def stack_layers(pairs: list[tuple], olders: list[tuple | None],
+                 group_indices: list[torch.Tensor]) -> LayerStack:
+    """Stack layers of one :func:`stack_key` in float64."""
+
+    def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(tensors).to(torch.float64)
+
+    wq0, wq1 = rows([p[0][0] for p in pairs]), rows([p[0][1] for p in pairs])
+    wk0, wk1 = rows([p[1][0] for p in pairs]), rows([p[1][1] for p in pairs])
+    older = None
+    if olders and all(o is not None for o in olders):
+        older = rows([o[0] for o in olders]), rows([o[1] for o in olders])
+    device = wq1.device
+    return LayerStack(wq0, wq1, wk0, wk1, older,
+                      torch.stack([g.to(device, torch.long) for g in group_indices]))
+
+
+def batches(items: list[Any], key: Any, nbytes: Any) -> list[list[Any]]:
+    """``items`` grouped by ``key(item)`` (first-seen order), each group cut into batches of
+    at most :data:`BATCH_BYTES` (``nbytes(item)``; one item per batch at least)."""
+    groups: dict[Any, list[list[Any]]] = {}
+    for item in items:
+        runs = groups.setdefault(key(item), [[]])
+        size = sum(nbytes(i) for i in runs[-1])
+        if runs[-1] and size + nbytes(item) > BATCH_BYTES:
+            runs.append([])
+        runs[-1].append(item)
+    return [run for runs in groups.values() for run in runs]

@@ -47,3 +47,42 @@ def test_an_unreadable_alarm_file_is_warned_about_naming_it(tmp_path, text):
     mon, _ = _mon(tmp_path)
     with pytest.warns(RuntimeWarning, match=rf"{ALARM_FILENAME} is unreadable"):
         assert latch_alarm_file(mon, tmp_path, 120) is None
+
+
+class _DeepSpeedEngine:
+    """What the DeepSpeed hooks wrap: a checkpoint of step 120 whose client state lost
+    mechmon's block (a rank's state not written, or saved before mechmon was attached)."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.module, self.global_steps = torch.nn.Linear(2, 2), 0
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        self.global_steps = 120
+        return f"{load_dir}/{tag}/mp_rank_00_model_states.pt", {}
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise AssertionError("a resume saves nothing")
+
+    def _take_model_step(self, *args, **kwargs):
+        pass
+
+    def backward(self, loss, *args, **kwargs):
+        pass
+
+
+@pytest.mark.filterwarnings("ignore:mechmon. no monitor state in:RuntimeWarning")
+def test_a_deepspeed_load_without_monitor_state_raises_the_alarm_of_alarm_json(tmp_path):
+    from mechmon_megatron.integrations.deepspeed import DeepSpeedMechMon
+
+    write_alarm_json(make_alarm(), tmp_path / "save")
+    engine = _DeepSpeedEngine()
+    hooks = DeepSpeedMechMon(engine, make_config(tmp_path, "checkpoint_and_exit"),
+                             str(tmp_path / "resumed"))
+    hooks.install(make_mon(hooks.config, framework=hooks.actions))
+    with pytest.warns(RuntimeWarning, match="it stays raised"), \
+            pytest.raises(SystemExit) as stopped:
+        hooks.load(str(tmp_path / "save"), "global_step120")
+    assert stopped.value.code == 86 and hooks.mon.alarm.alarm_id == make_alarm().alarm_id
+    assert (tmp_path / "resumed" / ALARM_FILENAME).is_file()

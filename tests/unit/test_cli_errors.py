@@ -8,6 +8,7 @@ on stderr that names what is wrong, and no traceback. The commands run in this p
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from pathlib import Path
@@ -48,6 +49,12 @@ def _files(root: Path) -> None:
     (ckpt / "model").mkdir(parents=True)
     (ckpt / "rank_00000.pt").write_bytes(b"PK\x03\x04" + bytes(60))
     (root / "trunc_ckpt" / "latest_checkpointed_iteration.txt").write_text("2\n")
+    (root / "interval_1e9.yaml").write_text("qk: {interval: 1e9}\n")
+    (root / "qk_layers.yaml").write_text("qk: {layers: [2, 9]}\n")
+    # 9 levels of 9 aliases: 9**9 values if expanded (a 52 MB message before the reader's cap).
+    levels = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{b}: &{b} [{', '.join(['*' + a] * 9)}]" for a, b in itertools.pairwise("abcdefghi")]
+    (root / "bomb.yaml").write_text("\n".join(levels) + "\n")
     (root / "tiny.yaml").write_text(
         "steps: 2\nlog_interval: 0\nmodel: {num_layers: 1, hidden_size: 32, "
         "num_attention_heads: 2, seq_length: 16}\ndata: {global_batch_size: 2, max_bytes: 8192}\n")
@@ -60,6 +67,28 @@ CASES = [
     (["config", "validate", "missing.yaml"], r"mechmon config: mechmon: missing\.yaml: no such"),
     (["config", "validate", "inf.yaml"], r"inf\.yaml: mechmon\.detectors\.attn\.robust_z\."
                                          r"threshold: invalid value inf; allowed: a finite"),
+    (["config", "validate", "interval_1e9.yaml"],
+     r"interval_1e9\.yaml: mechmon\.qk\.interval: invalid value '1e9'; allowed: an integer"),
+    (["config", "validate", "bomb.yaml"], r"bomb\.yaml: invalid YAML: its aliases expand to more "
+                                          r"than 100,000 values"),
+    (["config", "defaults", "--preset", "nope"], r"argument --preset: invalid choice: 'nope'"),
+    (["config", "thresholds", "bad.yaml", "--layers", "2", "--heads", "4"],
+     rf"mechmon config: mechmon: {YAML_AT}"),
+    (["config", "thresholds", "inf.yaml", "--layers", "0", "--heads", "4"],
+     r"argument --layers: invalid value '0'; allowed: an integer in 1\.\.100000"),
+    (["config", "thresholds", "inf.yaml", "--layers", "2", "--heads", "4"],
+     r"robust_z\.threshold: invalid value inf"),
+    (["config", "thresholds", "list.yaml", "--layers", "2", "--heads", "4", "--kv-groups", "3"],
+     r"list\.yaml: .*a mapping"),
+    (["config", "thresholds", "tiny.yaml", "--layers", "2", "--heads", "4", "--kv-groups", "3"],
+     r"tiny\.yaml: .*unknown key"),
+    (["config", "thresholds", "qk_layers.yaml", "--layers", "2", "--heads", "4", "--kv-groups",
+      "3"], r"mechmon config: --kv-groups 3 must divide --heads 4"),
+    (["config", "thresholds", "qk_layers.yaml", "--layers", "2", "--heads", "4", "--beta2", "1"],
+     r"mechmon config: --beta2 1\.0 must be in \[0, 1\)"),
+    (["config", "thresholds", "qk_layers.yaml", "--layers", "2", "--heads", "4"],
+     r"mechmon config: mechmon\.qk\.layers: invalid value \[2, 9\]; allowed: attention layers "
+     r"of this model \(2 layers: 1\.\.2\); layer\(s\) 9 do not exist"),
     (["drill", "--out", "o", "--campaign", "bad.yaml"], rf"mechmon drill: campaign: {YAML_AT}"),
     (["drill", "--out", "o", "--quick", "--config", "bad.yaml"],
      rf"mechmon drill: mechmon: {YAML_AT}"),
@@ -130,7 +159,9 @@ def test_a_bad_input_is_one_line_on_stderr_and_exit_code_2(bad_inputs, monkeypat
     code = _run(argv)
     err = capsys.readouterr().err
     assert code == EXIT_USAGE, err
-    assert re.search(pattern, _one_line(err)), err
+    line = _one_line(err)
+    assert re.search(pattern, line), err
+    assert len(line) <= 1100, len(line)  # a message quoting its input is cut
 
 
 def test_resuming_from_a_truncated_rank_file_is_one_line_and_exit_code_2(bad_inputs,
@@ -154,12 +185,23 @@ def test_the_megatron_launcher_reports_a_yaml_syntax_error_on_one_line(bad_input
     assert not (bad_inputs / "ran").exists()
 
 
-def test_a_scan_whose_pairs_all_form_the_baseline_says_nothing_was_judged(tmp_path, capsys):
+def test_every_command_and_config_subcommand_is_in_the_table_of_bad_inputs():
+    from mechmon_megatron.cli import COMMANDS
+
+    tried = {tuple(argv[:2]) if argv[0] == "config" else (argv[0],) for argv, _ in CASES}
+    wanted = {(c,) for c in COMMANDS if c != "config"} | {
+        ("config", sub) for sub in ("validate", "defaults", "thresholds")}
+    assert wanted <= tried, sorted(wanted - tried)
+
+
+@pytest.mark.parametrize("warmup", [4, 10])
+def test_a_scan_whose_pairs_all_form_the_baseline_says_nothing_was_judged(tmp_path, capsys,
+                                                                          warmup):
     from tests.unit.test_scan import _save_plain, _weights
 
     _save_plain(tmp_path / "run", _weights([50, 100, 150, 200, 250]))
-    code = main(["scan", str(tmp_path / "run"), "--warmup-samples", "4", "--no-progress",
-                 "--no-plots", "--threads", "1"])
+    code = main(["scan", str(tmp_path / "run"), "--warmup-samples", str(warmup),
+                 "--no-progress", "--no-plots", "--threads", "1"])
     out = capsys.readouterr().out
     assert code == EXIT_NOT_JUDGED, out
     assert "4 checkpoint pairs, nothing judged" in out and "silent" not in out

@@ -46,6 +46,8 @@ def test_attach_with_enabled_false_builds_nothing_and_judges_nothing(monkeypatch
     ("alarm_above", {"attn/delta2/entrpy/**": 1.0}),
     ("log_signals", ["attn/delta2/entrpy/**"]),
     ("bound_only", ["attn/delta2/entrpy/**"]),
+    ("jump_signals", ["attn/delta2/entrpy/**"]),
+    ("pooled_signals", ["attn/delta2/entrpy/**"]),
 ])
 def test_a_pattern_typo_in_any_pattern_setting_warns_naming_the_setting(setting, value):
     cfg = load_config({"detectors": {"attn": {setting: value}}})

@@ -54,6 +54,17 @@ def test_jsonl_writes_one_line_per_record_equal_to_what_was_logged(tmp_path) -> 
         assert line["alarm"] == r.alarm
 
 
+def test_jsonl_appends_a_second_runs_records_after_the_first_runs(tmp_path) -> None:
+    """The README says so: a rerun or a resume adds its steps after the earlier ones."""
+    path = tmp_path / "metrics.jsonl"
+    for run in (records()[:2], records()[2:]):
+        sink = JsonlSink(path)
+        for r in run:
+            sink.write(r)
+        sink.close()
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 10, 20]
+
+
 def test_jsonl_at_a_directory_path_warns_once_and_never_raises(tmp_path) -> None:
     (tmp_path / "metrics.jsonl").mkdir()
     sink = JsonlSink(tmp_path / "metrics.jsonl")

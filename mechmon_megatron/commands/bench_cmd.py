@@ -1,9 +1,10 @@
 """``mechmon bench``: what the monitor costs on the reference model, on and off side by side.
 
-    mechmon bench [--steps 200] [--intervals 1 10 100] [--layers 4] [--hidden 128] [--heads 4]
-                  [--seq 128] [--batch 8]
+    mechmon bench [--steps 200] [--intervals 1 10 100] [--layers 4[,24,80]] [--hidden 128[,64]]
+                  [--heads 4] [--seq 128] [--batch 8]
 
-One process trains the reference trainer's GPT (:mod:`mechmon_megatron.train.trainer`, one CPU
+``--layers`` and ``--hidden`` take comma lists: one model per pair (a sweep), in order. For
+each, one process trains the reference trainer's GPT (:mod:`mechmon_megatron.train.trainer`, one CPU
 thread) for ``--steps`` steps without mechmon, then once per interval with the QK monitor at that
 interval (dense preset, per-head and layer-sketch signals, detectors on, sinks off), each run
 continuing the same model. Columns:
@@ -15,6 +16,9 @@ continuing the same model. Columns:
   Each run starts right after a monitored step (its snapshot taken untimed), so a run of
   ``--steps`` (a multiple of the interval) holds the steady state's ``steps / interval`` full
   monitored steps;
+- ``ms/layer``: monitor time per monitored step per layer (``monitor ms/step * interval /
+  layers``: what the monitor costs per layer of the stage, the quantity that must not grow
+  with depth);
 - ``snapshots MiB``: tensors held by the monitor between monitored steps (its state);
 - ``RSS peak +MiB``: growth of the process's resident high-water mark during the run (CPU; an
   upper bound of the transient memory the monitor adds, 0 when below an earlier peak);
@@ -46,12 +50,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=positive, default=200, help="steps per run (%(default)s)")
     parser.add_argument("--intervals", type=int_in(1, MAX_INTERVAL), nargs="+",
                         default=[1, 10, 100], help="monitor intervals (%(default)s)")
-    parser.add_argument("--layers", type=positive, default=4)
-    parser.add_argument("--hidden", type=positive, default=128)
+    parser.add_argument("--layers", type=_ints, default=[4],
+                        help="layers, a comma list to sweep (%(default)s)")
+    parser.add_argument("--hidden", type=_ints, default=[128],
+                        help="hidden sizes, a comma list to sweep (%(default)s)")
     parser.add_argument("--heads", type=positive, default=4)
     parser.add_argument("--seq", type=positive, default=128)
     parser.add_argument("--batch", type=positive, default=8)
     return parser
+
+
+def _ints(text: str) -> list[int]:
+    """An argparse ``type``: a comma list of integers >= 1."""
+    positive = int_in(1)
+    return [positive(part) for part in text.split(",")]
 
 
 class _Timed:
@@ -91,7 +103,8 @@ def _rss_mib() -> float:
 
 
 def bench(args: argparse.Namespace) -> list[dict[str, float]]:
-    """Run the benchmark; one row per interval (see the module docstring)."""
+    """Run the benchmark of one model (``args.layers``, ``args.hidden``: ints); one row per
+    interval (see the module docstring)."""
     from mechmon_megatron import comm
     from mechmon_megatron.integrations.megatron_core import attach
     from mechmon_megatron.train.train_config import load_train_config
@@ -139,6 +152,8 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
             on = timed_run(first)
             rows.append({"interval": interval, "off_ms": 1e3 * off, "on_ms": 1e3 * on,
                          "monitor_ms": 1e3 * trainer.mon.seconds / args.steps,
+                         "layer_ms": 1e3 * trainer.mon.seconds * interval / args.steps
+                         / args.layers,
                          "share_pct": 100 * trainer.mon.seconds / (on * args.steps
                                                                    - trainer.mon.seconds),
                          "state_mib": state_bytes(mon.state_dict()) / 2**20,
@@ -156,15 +171,18 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the benchmark table; returns 0."""
-    rows = bench(args)
-    print(f"mechmon bench: {args.layers} layers x {args.hidden} hidden, {args.heads} heads, "
-          f"batch {args.batch} x seq {args.seq}, {args.steps} steps per run, 1 CPU thread")
-    print("| interval | step ms off | step ms on | monitor ms/step | share | snapshots MiB "
-          "| RSS peak +MiB | alarm |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['interval']} | {r['off_ms']:.1f} | {r['on_ms']:.1f} | "
-              f"{r['monitor_ms']:.2f} | {r['share_pct']:.2f} % | {r['state_mib']:.2f} | "
-              f"{r['rss_mib']:.1f} | {r['alarm'] if r['alarm'] is not None else '-'} |")
+    """Print the benchmark table, one block of rows per model of the sweep; returns 0."""
+    models = [(layers, hidden) for layers in args.layers for hidden in args.hidden]
+    print(f"mechmon bench: {args.heads} heads, batch {args.batch} x seq {args.seq}, "
+          f"{args.steps} steps per run, 1 CPU thread")
+    print("| model | interval | step ms off | step ms on | monitor ms/step | ms/layer | share "
+          "| snapshots MiB | RSS peak +MiB | alarm |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for layers, hidden in models:
+        for r in bench(argparse.Namespace(**{**vars(args), "layers": layers,
+                                             "hidden": hidden})):
+            print(f"| {layers} x {hidden} | {r['interval']} | {r['off_ms']:.1f} | "
+                  f"{r['on_ms']:.1f} | {r['monitor_ms']:.2f} | {r['layer_ms']:.2f} | "
+                  f"{r['share_pct']:.2f} % | {r['state_mib']:.2f} | {r['rss_mib']:.1f} | "
+                  f"{r['alarm'] if r['alarm'] is not None else '-'} |", flush=True)
     return 0

@@ -16,13 +16,16 @@ arXiv 2608.02091; noise gives cos ~ 0 since independent increments are orthogona
 from 2K x 2K cross Grams in float64: O(H K^2 D) flops, like the per-head spectra. The cosine is
 scale-free (a learning-rate schedule multiplies both updates and leaves it unchanged).
 
-Top singular value of the form, ``sigma_1(B) = sqrt(lambda_max((wq wq^T)(wk wk^T)))`` (K x K), the
+Top singular value of the form, ``sigma_1(B) = sqrt(lambda_max((wq wq^T)(wk wk^T)))`` (K x K,
+the symmetric core of :func:`.spectra.lowrank_sigma2_from_grams`), the
 quantity whose runaway the same paper traces (the query projection's largest singular value).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mechmon_megatron.math.spectra import lowrank_sigma2_from_grams
 
 __all__ = ["update_factors", "update_cosine", "form_sigma1"]
 
@@ -63,7 +66,7 @@ def form_sigma1(wq_HKD: torch.Tensor, wk_GKD: torch.Tensor,
     """``sigma_1(wq_h^T wk_g(h))`` per head, ``[H]`` float64."""
     wq = wq_HKD.double()
     wk = wk_GKD.double()[group_index_H.to(wk_GKD.device, torch.long)]
-    prod = (wq @ wq.mT) @ (wk @ wk.mT)
-    # eigenvalues of a product of two PSD matrices are real and >= 0
-    lam = torch.linalg.eigvals(prod).real.amax(-1).clamp_min(0.0)
+    # lambda_max((wq wq^T)(wk wk^T)) through the symmetric core L^T G_k L, L L^T = G_q (a
+    # batched eigvalsh; the general eigvals of the product cost ~4x more)
+    lam = lowrank_sigma2_from_grams(wq @ wq.mT, wk @ wk.mT)[:, 0].clamp_min(0.0)
     return lam.sqrt()

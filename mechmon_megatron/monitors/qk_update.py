@@ -3,9 +3,11 @@
 Every ``interval`` steps (``step % interval == 0``, from ``warmup_steps`` on) each source's local
 query/key rows ``W(t)`` are read and compared with the snapshot ``W(t - delta)`` of the previous
 monitored step (``delta = interval``; the actual gap is used, with a warning, if it differs).
-Per head the exact spectra come from :mod:`mechmon_megatron.math.spectra`; per layer a randomized
-sketch (:mod:`mechmon_megatron.math.sketch`) covers all heads, its operator calls all-reduced over
-``source.sketch_group`` (the TP ranks holding the layer's disjoint heads).
+Per head the exact spectra come from :mod:`mechmon_megatron.math.spectra`; per layer the spectrum
+of all heads is exact (:mod:`mechmon_megatron.math.layer_spectra`) where one rank holds them all,
+else a randomized sketch (:mod:`mechmon_megatron.math.sketch`) whose operator calls are
+all-reduced over ``source.sketch_group`` (the TP ranks holding the layer's disjoint heads). All
+owned layers are computed in batches (:mod:`.qk_batch`).
 
 Signals (L = global 1-based layer, H = global query head; docs/architecture.md):
 

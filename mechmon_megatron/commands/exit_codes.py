@@ -8,13 +8,17 @@
 | 2    | bad input: an argument, a config or campaign file (syntax or value), a run or       |
 |      | checkpoint directory that cannot be used; one line on stderr names it               |
 | 3    | ``scan``: nothing was judged (every checkpoint pair went into the baseline)         |
+| 70   | a bug, not a result: an unexpected exception (its traceback is printed above one line |
+|      | that says so)                                                                       |
 | 86   | an alarm stopped training (``actions.exit_code``; ``train``, ``demo``, the launcher) |
 
 :func:`run_command` runs a subcommand and turns the exceptions that mean bad input
 (:data:`USER_ERRORS`: ``ValueError`` and its subclasses, the config loaders' and the scan's
 errors among them, ``OSError`` and YAML errors) into ``mechmon <command>: <message>`` on one
-line of stderr and exit code 2. Anything else is a bug and keeps its traceback;
-``MECHMON_TRACEBACK=1`` shows the traceback of a user error too. :class:`OneLineParser` makes
+line of stderr and exit code 2. Anything else is a bug: its traceback, then one line, and exit
+code 70, never Python's 1, which ``drill``, ``scan`` and ``demo`` use for a result (a crash must
+not read as "target missed" or "alarmed"); ``MECHMON_TRACEBACK=1`` shows the traceback of a user
+error too. :class:`OneLineParser` makes
 argparse's own errors one line as well (exit 2, as argparse does).
 """
 
@@ -23,12 +27,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import yaml
 
-__all__ = ["EXIT_OK", "EXIT_RESULT", "EXIT_USAGE", "EXIT_NOT_JUDGED", "EXIT_ALARM",
+__all__ = ["EXIT_OK", "EXIT_RESULT", "EXIT_USAGE", "EXIT_NOT_JUDGED", "EXIT_CRASH", "EXIT_ALARM",
            "EXIT_CODES", "USER_ERRORS", "UsageError", "OneLineParser", "int_in", "one_line",
            "from_file", "run_command"]
 
@@ -36,6 +41,8 @@ EXIT_OK = 0
 EXIT_RESULT = 1
 EXIT_USAGE = 2
 EXIT_NOT_JUDGED = 3
+EXIT_CRASH = 70
+"""sysexits' EX_SOFTWARE: an internal error of mechmon."""
 EXIT_ALARM = 86
 """The default of ``actions.exit_code``; a config may choose another (not 0, 16 or 17)."""
 
@@ -45,6 +52,7 @@ EXIT_CODES = {
     EXIT_USAGE: "bad input: an argument, a config or campaign file, a directory; one line on "
                 "stderr names it",
     EXIT_NOT_JUDGED: "scan: nothing was judged (every checkpoint pair went into the baseline)",
+    EXIT_CRASH: "a bug, not a result: an unexpected exception, its traceback on stderr",
     EXIT_ALARM: "an alarm stopped training (actions.exit_code; train, demo, the launcher)",
 }
 """Code -> meaning; the README's table says the same."""
@@ -83,7 +91,9 @@ def from_file(path: Any, load: Callable[..., Any], *args: Any) -> Any:
 
 def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
                 args: argparse.Namespace) -> int:
-    """``run(args)`` as an exit code; a user error is one line on stderr and :data:`EXIT_USAGE`."""
+    """``run(args)`` as an exit code; a user error is one line on stderr and :data:`EXIT_USAGE`,
+    any other exception its traceback, one line and :data:`EXIT_CRASH` (``SystemExit``, e.g. an
+    alarm's 86, and ``KeyboardInterrupt`` pass through)."""
     try:
         return int(run(args) or 0)
     except USER_ERRORS as exc:
@@ -91,6 +101,11 @@ def run_command(name: str, run: Callable[[argparse.Namespace], int | None],
             raise
         print(f"mechmon {name}: {one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except Exception as exc:  # noqa: BLE001 - a bug: shown in full, then a code of its own
+        traceback.print_exc()
+        print(f"mechmon {name}: internal error ({type(exc).__name__}); this is a bug, not a "
+              f"result (exit code {EXIT_CRASH})", file=sys.stderr, flush=True)
+        return EXIT_CRASH
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 
 from mechmon_megatron.cli import main
-from mechmon_megatron.commands.exit_codes import EXIT_CODES, EXIT_NOT_JUDGED, EXIT_USAGE
+from mechmon_megatron.commands.exit_codes import (
+    EXIT_CODES,
+    EXIT_CRASH,
+    EXIT_NOT_JUDGED,
+    EXIT_USAGE,
+)
 from mechmon_megatron.launch import megatron as launcher
 
 BAD_YAML = "qk:\n  interval: [1\n"
@@ -192,6 +197,27 @@ def test_every_command_and_config_subcommand_is_in_the_table_of_bad_inputs():
     wanted = {(c,) for c in COMMANDS if c != "config"} | {
         ("config", sub) for sub in ("validate", "defaults", "thresholds")}
     assert wanted <= tried, sorted(wanted - tried)
+
+
+def test_a_bug_is_its_traceback_and_exit_code_70_never_a_result(monkeypatch, capsys):
+    from mechmon_megatron.commands import scan_cmd
+
+    def crash(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(scan_cmd, "run", crash)
+    assert main(["scan", "anywhere"]) == EXIT_CRASH != 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError: 'a bug'" in err
+    assert err.strip().splitlines()[-1] == ("mechmon scan: internal error (KeyError); this is a "
+                                            "bug, not a result (exit code 70)")
+
+    def alarm(args):
+        raise SystemExit(86)
+
+    monkeypatch.setattr(scan_cmd, "run", alarm)
+    with pytest.raises(SystemExit, match="86"):
+        main(["scan", "anywhere"])
 
 
 @pytest.mark.parametrize("warmup", [4, 10])

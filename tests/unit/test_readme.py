@@ -193,3 +193,17 @@ def test_the_dry_run_configs_judge_every_family_within_its_20_iterations(name):
         assert first <= 20, (family, first)
     on_alarm = "checkpoint_and_exit" if name == "dry_run_alarm" else "log"
     assert config.actions.on_alarm == on_alarm
+
+
+def test_the_megatron_extra_brings_what_megatron_lms_training_loop_imports():
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    names = {re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0].lower() for req in extras["megatron"]}
+    assert {"megatron-core", "six", "regex"} <= names, names
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert 'pip install -e ".[megatron]"' in readme
+    # Where mechmon's records go, and that a rerun appends to them (tests/unit/test_sinks.py).
+    assert "`mechmon_out/metrics.jsonl` in the working directory" in readme
+    assert "**appended** across runs" in readme

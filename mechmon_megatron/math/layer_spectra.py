@@ -77,17 +77,17 @@ def layer_sigma2(term: str, a_BRD: torch.Tensor, c_BRD: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sigma2_BN descending, F_B)`` of a batch of layer operators from
     :func:`layer_factors`; NaN for a layer with non-finite factors."""
-    finite_B = torch.isfinite(a_BRD).flatten(1).all(1) & torch.isfinite(c_BRD).flatten(1).all(1)
-    a = torch.where(finite_B[:, None, None], a_BRD, 0.0)
-    c = torch.where(finite_B[:, None, None], c_BRD, 0.0)
-    rows, d_model = a.shape[-2:]
+    rows, d_model = a_BRD.shape[-2:]
     if term == "delta2" and rows < d_model:
-        g_a, g_c = gram(a), gram(c)
+        g_a, g_c = gram(a_BRD), gram(c_BRD)
+        finite_B = _finite(g_a) & _finite(g_c)
         sigma2 = lowrank_sigma2_from_grams(g_a, g_c)
         fro2 = (g_a * g_c).sum((-2, -1))
     else:
-        m = a.mT @ c if term == "delta2" else a
+        m = a_BRD.mT @ c_BRD if term == "delta2" else a_BRD
         g = m @ m.mT if m.shape[-2] <= m.shape[-1] else m.mT @ m
+        finite_B = _finite(g)  # a non-finite factor entry makes its Gram row non-finite
+        g = torch.where(finite_B[:, None, None], g, 0.0)
         sigma2 = torch.linalg.eigvalsh(g).flip(-1)
         floor = sigma2[:, :1].clamp_min(0.0) * (g.shape[-1] * _EPS64)
         sigma2 = torch.where(sigma2 > floor, sigma2, 0.0)
@@ -95,6 +95,10 @@ def layer_sigma2(term: str, a_BRD: torch.Tensor, c_BRD: torch.Tensor
     nan = torch.full_like(fro2, math.nan)
     return (torch.where(finite_B[:, None], sigma2, math.nan),
             torch.where(finite_B, fro2.clamp_min(0.0), nan))
+
+
+def _finite(g_BNN: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(g_BNN).flatten(1).all(1)
 
 
 def layer_metrics(sigma2_BN: torch.Tensor, fro2_B: torch.Tensor) -> torch.Tensor:

@@ -223,7 +223,8 @@ def test_tp_2_gives_the_tp_1_signals_of_both_forms(runs):
         for result in runs[2]:
             table = result[shape]["signals"]
             for name in names:
-                if name.startswith("attn/layer_"):  # randomized sketch: its own tolerance
-                    assert table[name] == pytest.approx(ref[name], rel=1e-2), (shape, name)
+                if name.startswith("attn/layer_"):  # TP 2 sketches, TP 1 is exact
+                    if "/entropy_" not in name:  # the sketch's bounds are no estimate
+                        assert table[name] == pytest.approx(ref[name], rel=1e-2), (shape, name)
                 elif math.isfinite(ref[name]):
                     assert table[name] == pytest.approx(ref[name], rel=1e-9, abs=1e-12), name

@@ -39,13 +39,7 @@ BINS = 16
 INJECT_STEP = 4
 QUIET = {"console": {"enabled": False}}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _deepspeed_ops() -> None:
-    """Build (or load from the cache) DeepSpeed's CPU shm op once, before ranks race for it."""
-    from deepspeed.comm.torch import build_shm_op
-
-    build_shm_op()
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")
 
 
 def _engine(stage: int, block: dict | None, experts: int = 0, ep_size: int = 1,

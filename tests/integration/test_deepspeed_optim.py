@@ -28,13 +28,7 @@ pytest.importorskip("deepspeed")
 STEPS, EVERY = 4, 2
 MONITORED = list(range(EVERY, STEPS + 1, EVERY))
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _deepspeed_ops() -> None:
-    """Build (or load from the cache) DeepSpeed's CPU shm op once, before ranks race for it."""
-    from deepspeed.comm.torch import build_shm_op
-
-    build_shm_op()
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")
 
 
 def _engine(stage: int, block: dict, persist: bool = False, odd: bool = False):

@@ -17,16 +17,10 @@ import math
 import pytest
 
 from tests._dist import run_distributed
-from tests.integration.test_deepspeed import (  # noqa: F401 - the autouse op build applies
-    MICRO,
-    SEQ,
-    TRAIN,
-    VOCAB,
-    _deepspeed_ops,
-    _engine,
-)
+from tests.integration.test_deepspeed import MICRO, SEQ, TRAIN, VOCAB, _engine
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")
 
 STEPS, FAIL = 6, 3
 

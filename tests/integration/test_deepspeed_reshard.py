@@ -18,9 +18,10 @@ import torch
 
 from tests._dist import run_distributed
 from tests._resume import alarm_step, assert_same_signals, sink_records
-from tests.integration.test_deepspeed import TRAIN, VOCAB, _deepspeed_ops  # noqa: F401
+from tests.integration.test_deepspeed import TRAIN, VOCAB
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")
 
 GLOBAL, SEQ, N, ALARM_STEP = 4, 8, 6, 10
 

@@ -26,6 +26,7 @@ def _deepspeed_example(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.usefixtures("deepspeed_ops")
 def test_the_readme_deepspeed_example_runs_to_the_end_without_an_alarm(tmp_path):
     proc = _deepspeed_example(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,6 +36,7 @@ def test_the_readme_deepspeed_example_runs_to_the_end_without_an_alarm(tmp_path)
     assert not list(out.rglob("alarm.json"))
 
 
+@pytest.mark.usefixtures("deepspeed_ops")
 def test_the_deepspeed_example_names_an_lr_spike_lr_and_exits_86(tmp_path):
     proc = _deepspeed_example(tmp_path, "--lr-spike-step", "107", "--lr-spike-factor", "30")
     log = proc.stdout + proc.stderr

@@ -33,6 +33,7 @@ from tests._dist import run_distributed
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.usefixtures("deepspeed_ops")
 
 NS = types.SimpleNamespace
 WARMUP, GBS, BETA2 = 10, 4, 0.95

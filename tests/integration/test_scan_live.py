@@ -68,19 +68,15 @@ def _deepspeed_run(rank: int, out: str) -> None:
 
 
 def _worker(rank: int, world_size: int, tmp: str) -> None:
-    from deepspeed.comm.torch import build_shm_op
-
     from mechmon_megatron.train.trainer import run
 
     for name, (model, parallel) in CASES.items():
         run(_trainer_config(os.path.join(tmp, name), model, parallel))
-    if rank == 0:
-        build_shm_op()
     _deepspeed_run(rank, os.path.join(tmp, "deepspeed"))
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> pathlib.Path:
+def runs(tmp_path_factory, deepspeed_ops) -> pathlib.Path:
     tmp = tmp_path_factory.mktemp("scan_live")
     run_distributed(_worker, 2, str(tmp), timeout=600)
     return tmp

@@ -64,6 +64,10 @@ def test_a_resume_at_tp1_dp4_continues_the_tp2_dp2_run(tmp_path):
                           for k in qk), step
         for key, value in straight[step].items():
             got = resumed[step][key]
+            if key.startswith("attn/layer_"):  # TP 2 sketches a layer's spectrum, TP 1 is exact
+                if "/entropy_" not in key:  # the sketch's entropy bounds are no estimate
+                    assert got == pytest.approx(value, rel=1e-2), (step, key)
+                continue
             if value is None or math.isnan(value):
                 assert got is None or math.isnan(got), (step, key)
             else:

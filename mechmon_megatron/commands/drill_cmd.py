@@ -38,7 +38,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--campaign", metavar="FILE|NAME",
                         help="campaign YAML file, or a shipped campaign: quick (CI), full "
                              "(default), long (10k-step runs), soak (20k-step healthy runs), "
-                             "dev, validation, mla_quick")
+                             "dev, validation, mla_quick, muon")
     parser.add_argument("--quick", action="store_true", help="alias of --campaign quick")
     parser.add_argument("--config", metavar="FILE",
                         help="mechmon config of the runs (default: the shipped defaults)")

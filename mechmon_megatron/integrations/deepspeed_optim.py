@@ -48,6 +48,7 @@ from mechmon_megatron.layouts.deepspeed_moe import find_topk_gates
 from mechmon_megatron.layouts.param_groups import classify
 from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
+from mechmon_megatron.monitors.optimizer_kind import not_adam, sharpness_off
 from mechmon_megatron.monitors.probe_context import isolated
 
 __all__ = ["BatchCache", "scalar_loss", "deepspeed_optim_source"]
@@ -267,6 +268,10 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
 
     phases = {"read": read}  # local: no collective
 
+    kind = not_adam(engine.optimizer) if sharpness else None
+    if kind is not None:
+        warnings.warn(sharpness_off(kind), RuntimeWarning, stacklevel=3)
+        return OptimSource(entries, **phases)
     why = _probe_unavailable(engine, params) if sharpness else None
     if sharpness and why is None and any(hasattr(p, "ds_id") for p in params):
         why = zero3_memory_problem(params)

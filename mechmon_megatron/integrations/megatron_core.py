@@ -132,9 +132,14 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
     if config.optim.enabled:
         from mechmon_megatron.integrations.mcore_optim import optim_holders, optim_source
         from mechmon_megatron.monitors.optim import OptimMonitor
+        from mechmon_megatron.monitors.optimizer_kind import not_adam, sharpness_off
 
+        kind = not_adam(optimizer) if config.optim.sharpness.enabled else None
+        if kind is not None:
+            warnings.warn(sharpness_off(kind), RuntimeWarning, stacklevel=2)
+            probe_loss = None
         source = optim_source(model_chunks, optimizer, probe_loss, has_batch)
-        if config.optim.sharpness.enabled and source.probe is None:
+        if config.optim.sharpness.enabled and source.probe is None and kind is None:
             warnings.warn("mechmon: optim.sharpness needs the training loop's micro-batch "
                           "(probe_loss), an optimizer keeping Adam's state per parameter (not "
                           "the distributed optimizer) and one model chunk without pipeline "

@@ -33,8 +33,12 @@ ROOT = "train"
 
 @dataclass
 class OptimConfig:
-    """Adam, gradient clipping and the learning-rate schedule."""
+    """The optimizer (AdamW, or Muon with AdamW beside it), gradient clipping, the LR schedule."""
 
+    name: Literal["adamw", "muon"] = "adamw"
+    """``muon``: Muon on the layers' weight matrices, AdamW on the rest (train/muon.py)."""
+    momentum: float = 0.95
+    """Muon's (Nesterov) momentum."""
     lr: float = 3e-3
     """Peak learning rate (after warm-up)."""
     min_lr: float = 3e-4
@@ -57,6 +61,8 @@ class OptimConfig:
     """Static LR ratio of the MoE router param group (the router fault multiplies on top)."""
 
     def __post_init__(self) -> None:
+        require(self.name in ("adamw", "muon"), "name", self.name, "adamw or muon")
+        require(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
         require(self.lr > 0, "lr", self.lr, "a number > 0")
         require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, "a number in [0, lr]")
         require(self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, "an integer >= 0")

@@ -156,8 +156,16 @@ class _Trainer(CheckpointState):
             p.grad = torch.zeros_like(p)
         o = cfg.optim
         groups = param_groups([self.model], o.lr, o.router_lr_multiplier)
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+        if o.name == "muon":
+            from mechmon_megatron.train.muon import Muon, muon_groups
+
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            self.optimizer = Muon(muon_groups(groups, names), lr=o.lr, momentum=o.momentum,
+                                  betas=(o.beta1, o.beta2), eps=o.eps,
+                                  weight_decay=o.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2),
+                                               eps=o.eps, weight_decay=o.weight_decay)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.faults = Faults.install(cfg.fault, [self.model], self.optimizer)
         self.expert_bias = bool(cfg.model.moe_router_enable_expert_bias)

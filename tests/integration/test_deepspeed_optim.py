@@ -236,3 +236,36 @@ def test_deepspeed_moe_gates_are_held_in_the_estimate_and_training_is_unchanged(
         assert run[True]["losses"] == run[False]["losses"]
     table = ranks[0][True]["table"]
     assert all(math.isfinite(table[s]["optim/sharpness/eos_ratio"]) for s in MONITORED)
+
+
+def _sgd_worker(rank: int, world_size: int, tmp: str) -> dict:
+    import deepspeed
+
+    from mechmon_megatron.deepspeed import attach
+
+    torch.manual_seed(0)
+    model = TRAIN.TinyLM(VOCAB, layers=2, d_model=32, heads=4, kv_heads=2)
+    block = {"output_dir": tmp, "qk": {"enabled": False}, "sinks": QUIET,
+             "actions": {"on_alarm": "log"},
+             "optim": {"interval": EVERY, "sharpness": {"interval": EVERY, "iters": 4}}}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9),
+        config={"train_micro_batch_size_per_gpu": MICRO, "steps_per_print": 10**6,
+                "zero_optimization": {"stage": 0}, "mechmon": block}, dist_init_required=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mm = attach(engine)
+    _steps(engine, rank)
+    mm.close()
+    return {"warnings": [str(w.message) for w in caught if "sharpness" in str(w.message)],
+            "table": _table(pathlib.Path(tmp) / "metrics.jsonl") if rank == 0 else None}
+
+
+def test_an_sgd_engine_gets_one_warning_naming_it_and_update_ratios_without_sharpness(tmp_path):
+    result = run_distributed(_sgd_worker, 1, str(tmp_path), timeout=300)[0]
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert "the optimizer is SGD, not Adam-type" in result["warnings"][0]
+    for signals in result["table"].values():
+        assert math.isfinite(signals["optim/update_ratio/all"])
+        assert signals["optim/sharpness/eos_ratio"] is None or math.isnan(
+            signals["optim/sharpness/eos_ratio"])

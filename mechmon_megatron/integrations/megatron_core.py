@@ -27,6 +27,7 @@ from mechmon_megatron.layouts.megatron_qkv import (
     qk_layout,
     qk_read_phases,
 )
+from mechmon_megatron.monitors.qk_clip import ClipRecorder
 from mechmon_megatron.monitors.qk_source import owner_replica
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 
@@ -72,13 +73,15 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None, dp_ra
         dst = members.index(owner) if owner in members else None
         read, exchange, finish = qk_read_phases(attn, layout, tp_rank, tp_size, tp_group,
                                                 optimizer, dp_dst=dst)
+        clip = (ClipRecorder(attn, layout["group_index"])
+                if getattr(attn.config, "qk_clip", False) and hasattr(attn, "clip_qk") else None)
         sources.append(QKSource(
             layer=int(attn.layer_number), name=name, num_heads=layout["num_heads"],
             head_index=layout["head_index"], group_index=layout["group_index"], read=read,
             sketch_group=tp_group, num_groups=layout["num_groups"], exchange=exchange,
             finish=finish,
             dp_exchange=group is not None and dst is not None,
-            dims=(int(layout["head_dim"]), int(attn.linear_qkv.weight.shape[-1]))))
+            dims=(int(layout["head_dim"]), int(attn.linear_qkv.weight.shape[-1])), clip=clip))
     return sources
 
 
@@ -103,13 +106,14 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         for tag in ("", "rope_"):  # the same gathers on every rank; rope_: MLA's RoPE form
             tagged = [s for s in sources if s.tag == tag]
             all_layers = comm.all_gather_union({s.layer: s.num_heads for s in tagged})
+            clipped = comm.all_gather_union({s.layer: 1 for s in tagged if s.clip is not None})
             if not all_layers and not tag:
                 raise ValueError("qk.enabled is true but the model has no megatron-core "
                                  "SelfAttention layers; set qk.enabled: false")
             if all_layers:
                 monitors.append(QKUpdateMonitor(
                     config.qk, tagged, all_layers=all_layers, seed=config.seed,
-                    dp_rank=dp_rank, dp_size=dp_size, tag=tag,
+                    dp_rank=dp_rank, dp_size=dp_size, tag=tag, clipped=sorted(clipped),
                     dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.megatron_router import router_sources

@@ -44,6 +44,8 @@ class QKSource:
         dims: ``(d_head, d_model)`` of the rows; the layer sketch's collectives are shaped from
             them on a rank whose read failed, so they are required when ``sketch_group`` holds
             more than one rank (checked by the monitor).
+        clip: the layer's :class:`~.qk_clip.ClipRecorder` when megatron-core's QK-clip may
+            rescale it (the monitor divides the rescale out of the window's update), else None.
         tag: which monitor takes the source: ``""`` (the QK form of standard attention and
             the no-RoPE form of MLA) or ``"rope_"`` (MLA's decoupled RoPE form; its signals
             are named ``attn/rope_<term>/...``).
@@ -62,6 +64,7 @@ class QKSource:
     dp_exchange: bool = False
     dims: tuple[int, int] | None = None
     tag: str = ""
+    clip: Any = None
 
     def read_rows(self, on_error: Callable[[str, BaseException], None]
                   ) -> tuple[tuple[torch.Tensor, torch.Tensor] | None, bool | torch.Tensor]:

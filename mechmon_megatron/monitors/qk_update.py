@@ -50,6 +50,7 @@ from mechmon_megatron import comm
 from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_batch import QKBatch
+from mechmon_megatron.monitors.qk_clip import clip_names
 from mechmon_megatron.monitors.qk_observe import STATS, QKObserve, head_groups, layer_stats
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
 from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
@@ -117,7 +118,7 @@ class QKUpdateMonitor(QKBatch, QKObserve):
     def __init__(
         self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None,
         seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, dp_group: comm.Group = comm.SELF,
-        tag: str = "", batched: bool = True,
+        tag: str = "", batched: bool = True, clipped: Iterable[int] = (),
     ) -> None:
         self.config, self.seed, self.tag, self.batched = config, int(seed), str(tag), batched
         self.dp_rank, self.dp_size, self.dp_group = int(dp_rank), int(dp_size), dp_group
@@ -134,6 +135,8 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         self.layer_terms = [t for t in LAYER_TERMS if t in self.terms] if sketch.enabled else []
         self.extra = ([("coherence", "cos")] if getattr(config, "coherence", False) else []) + (
             [("qk", "sigma1")] if getattr(config, "form_sigma1", False) else [])
+        self.clipped = sorted(int(c) for c in clipped if c in self.layers)
+        self._clip_counts: dict[int, torch.Tensor] = {}
         self.snapshots: dict[int, dict[str, Any]] = {}
         self._heads = {s.layer: s.head_index.tolist() for s in self.sources}
         self._groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -171,6 +174,8 @@ class QKUpdateMonitor(QKBatch, QKObserve):
                 names += [f"{base}/{stat}" for stat in STATS]
                 if self.config.per_head:
                     names += [f"{base}/head_{h}" for h in range(heads)]
+        for layer in self.clipped:
+            names += clip_names(layer)
         return sorted(names)
 
     def begin_step(self, step: int) -> None:
@@ -189,6 +194,8 @@ class QKUpdateMonitor(QKBatch, QKObserve):
                 pending.append(self._observe(source, step))
             elif source.dp_exchange:  # joins the DP exchange; its void flag is the owner's
                 source.read_rows(lambda where, exc, s=source: self._error(s, where, exc))
+        pending += [self._clip_pending(s) for s in self.sources
+                    if s.clip is not None and s.layer in self.clipped and self.owns(s.layer)]
         parts = [t.reshape(-1) for tensors, _ in pending for t in tensors]
         host: list[float] | None = []
         if parts:
@@ -370,15 +377,22 @@ class QKUpdateMonitor(QKBatch, QKObserve):
                              f"[{n_loc}, d_head, d_model] and [groups, d_head, d_model]")
         wq, wk, snap_q, snap_k = self._snapshot_of(wq, wk)
         prev = self.snapshots.get(source.layer)
+        clip = source.clip.take() if source.clip is not None else None
         snap = {"step": step, "heads": self._heads[source.layer], "wq": snap_q, "wk": snap_k}
         older = None
         if (prev is None or prev.get("wq") is None  # a rebuild that never ran: no snapshot
                 or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape):
             self.snapshots[source.layer] = snap
             return None, None
+        prev_q, prev_k = prev["wq"].to(wq.device, wq.dtype), prev["wk"].to(wk.device, wk.dtype)
+        if clip is not None:  # QK-clip rescaled the rows in the window: divide it out
+            prev_q = prev_q * clip[0].to(wq.device, wq.dtype).view(-1, 1, 1)
+            prev_k = prev_k * clip[1].to(wk.device, wk.dtype).view(-1, 1, 1)
+            self._clip_counts[source.layer] = clip[2]
         if ("coherence", "cos") in self.extra:
             # W(t - delta) stays for the next step's cosine of successive updates.
-            snap.update(wq_prev=prev["wq"], wk_prev=prev["wk"])
+            snap.update(wq_prev=prev["wq"] if clip is None else prev_q.to(prev["wq"]),
+                        wk_prev=prev["wk"] if clip is None else prev_k.to(prev["wk"]))
             if prev.get("wq_prev") is not None:
                 older = (prev["wq_prev"].to(wq.device, wq.dtype),
                          prev["wk_prev"].to(wk.device, wk.dtype))
@@ -386,5 +400,16 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         if step - prev["step"] != self.interval:
             self._warn_once("gap", f"update window {step - prev['step']} steps at step {step} "
                             f"(interval {self.interval}); using the actual window")
-        return ((prev["wq"].to(wq.device, wq.dtype), wq),
-                (prev["wk"].to(wk.device, wk.dtype), wk)), older
+        return ((prev_q, wq), (prev_k, wk)), older
+
+    def _clip_pending(self, source: QKSource) -> tuple[list[torch.Tensor], Callable]:
+        """The layer's QK-clip counts of the window (:mod:`.qk_clip`): into the one transfer,
+        or zeros without one when nothing was clipped. Every TP rank of the owning replica sends
+        its part times the TP size, so the reduction's mean over them is their sum."""
+        names = clip_names(source.layer)
+        counts = self._clip_counts.pop(source.layer, None)
+        if counts is None:
+            return [], lambda values: dict.fromkeys(names, 0.0)
+        share = comm.world_size(source.sketch_group)
+        return [counts * share], lambda values: ({} if values is None
+                                                 else dict(zip(names, values, strict=True)))

@@ -169,6 +169,13 @@ class _Trainer(CheckpointState):
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self.faults = Faults.install(cfg.fault, [self.model], self.optimizer)
         self.expert_bias = bool(cfg.model.moe_router_enable_expert_bias)
+        self.clipping = [m for m in self.model.modules() if hasattr(m, "clip_qk")
+                         and hasattr(m, "core_attention")] if cfg.model.extra.get(
+                             "qk_clip") else []
+        if self.clipping and not (self.emulated or cfg.model.multi_latent_attention):
+            raise ValueError("train.model.extra.qk_clip: invalid value True; allowed: with "
+                             "attention bf16_flash or fp8_flash (the emulation records each "
+                             "head's max logit) or an MLA model")
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.layout = {"world": comm.world_size(), "tp": cfg.parallel.tp, "ep": cfg.parallel.ep,
@@ -218,6 +225,23 @@ class _Trainer(CheckpointState):
         local = torch.stack(held).max().double() if held else torch.tensor(-math.inf).double()
         return float(comm.all_reduce_max(local.view(1)).item())
 
+    def _clip_qk(self) -> None:
+        """megatron-core's QK-clip after the optimizer step, as Megatron-LM's loop runs it: each
+        layer's per-head max logit of this step, max over DP, into its core attention's
+        ``current_max_attn_logits``, then the module's own ``clip_qk``."""
+        for attn in self.clipping:
+            core = attn.core_attention
+            logits = getattr(core, "max_logits_N", None)
+            if logits is None:
+                logits = getattr(core, "current_max_attn_logits", None)
+            if logits is None:
+                continue
+            logits = logits.detach().float().clone()
+            torch.distributed.all_reduce(logits, torch.distributed.ReduceOp.MAX,
+                                         group=self.dp_group)
+            core.current_max_attn_logits = logits
+            attn.clip_qk()
+
     def _train_step(self, step: int) -> tuple[float, float, Any]:
         from mechmon_megatron.train.grads import grad_norm, sync_grads, update_expert_bias
 
@@ -244,6 +268,8 @@ class _Trainer(CheckpointState):
             for p in self.model.parameters():
                 p.grad.mul_(clip / (norm + 1e-6))
         self.optimizer.step()
+        if self.clipping:
+            self._clip_qk()
         loss_sum = comm.all_reduce_sum(loss.detach().double().view(1), self.dp_group)
         loss_dp = loss_sum.item() / self.dp_size
         verdict = None

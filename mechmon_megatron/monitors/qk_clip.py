@@ -1,0 +1,92 @@
+"""QK-clip seen, not mistaken: what megatron-core's ``clip_qk`` did to a layer in a window.
+
+megatron-core's QK-clip (``SelfAttention.clip_qk``, after the optimizer step when
+``config.qk_clip``) takes each local KV group's max attention logit ``m_g`` (already the max
+over DP ranks) and, where ``m_g > tau`` (``qk_clip_threshold``), rescales the group's rows::
+
+    eta_g = min(1, tau / m_g),  W_Q,h <- eta_g^alpha W_Q,h (h in g),  W_K,g <- eta_g^(1-alpha) W_K,g
+
+A rescale is an update of the form ``B_h = W_Q,h W_K,g^T`` along ``B_h`` itself: a coherent,
+low-rank change that the QK-update signals would read as biased rounding. The recorder wraps the
+module's ``clip_qk`` and keeps, per local head and group, the product of the scales applied since
+the monitor's last snapshot; the monitor multiplies that snapshot by them before differencing,
+``dW_Q,h = W_Q,h(t) - c_q,h W_Q,h(t - delta)``, so the window's update is the optimizer's alone
+(exact when the clips precede the window's updates; otherwise off by ``(1 - c) dW_before``, second
+order). Per layer and window it reports (summed over TP ranks; the owning DP replica only)::
+
+    attn/qk_clip/heads/layer_L        query heads clipped, summed over the window's clip calls
+    attn/qk_clip/log_shrink/layer_L   sum over those heads of -log(eta_g): how far logits were cut
+
+Device tensors only: nothing reaches the host until the monitor's one transfer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["ClipRecorder", "CLIP_SIGNALS", "clip_names"]
+
+CLIP_SIGNALS = ("heads", "log_shrink")
+
+
+def clip_names(layer: int) -> list[str]:
+    """The clip signals of ``layer``."""
+    return [f"attn/qk_clip/{s}/layer_{layer}" for s in CLIP_SIGNALS]
+
+
+class ClipRecorder:
+    """Wraps ``attention.clip_qk`` and accumulates the scales it applies (module docstring).
+
+    Args:
+        attention: a megatron-core ``SelfAttention`` with ``clip_qk`` and ``config.qk_clip``.
+        group_index: ``[H_loc]`` local KV group of each local query head (the QKSource's).
+    """
+
+    def __init__(self, attention: Any, group_index: torch.Tensor) -> None:
+        self.attention = attention
+        self.group_index = group_index.long()
+        self.log_q: torch.Tensor | None = None  # [H_loc], sum of alpha log eta_g(h)
+        self.log_k: torch.Tensor | None = None  # [G_loc], sum of (1 - alpha) log eta_g
+        self.counts: torch.Tensor | None = None  # [2]: heads clipped, sum of -log eta
+        self._original = attention.clip_qk
+        attention.clip_qk = self._clip_qk
+
+    def _clip_qk(self, *args: Any, **kwargs: Any) -> Any:
+        logits = getattr(self.attention.core_attention, "current_max_attn_logits", None)
+        if logits is not None:
+            self._record(logits.detach())
+        return self._original(*args, **kwargs)
+
+    def _record(self, logits_H: torch.Tensor) -> None:
+        config = self.attention.config
+        groups = int(self.group_index.max()) + 1
+        peak_G = logits_H.float().view(groups, -1).max(dim=1).values
+        tau, alpha = float(config.qk_clip_threshold), float(config.qk_clip_alpha)
+        clipped_G = peak_G > tau
+        if not bool(clipped_G.any()):  # megatron's clip_qk makes the same test (a host sync)
+            return
+        log_eta_G = torch.where(clipped_G, torch.log(tau / peak_G), torch.zeros_like(peak_G))
+        index = self.group_index.to(log_eta_G.device)
+        if self.log_q is None:
+            self.log_q = torch.zeros(index.numel(), dtype=torch.float64, device=index.device)
+            self.log_k = torch.zeros(groups, dtype=torch.float64, device=index.device)
+            self.counts = torch.zeros(2, dtype=torch.float64, device=index.device)
+        self.log_q += alpha * log_eta_G.double()[index]
+        self.log_k += (1.0 - alpha) * log_eta_G.double()
+        self.counts += torch.stack([clipped_G.double()[index].sum(),
+                                    -log_eta_G.double()[index].sum()])
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``(c_q [H_loc], c_k [G_loc], counts [2])`` since the last call, or None when nothing
+        was clipped; resets."""
+        if self.log_q is None:
+            return None
+        out = (self.log_q.exp(), self.log_k.exp(), self.counts)
+        self.log_q = self.log_k = self.counts = None
+        return out
+
+    def close(self) -> None:
+        """Restore the module's own ``clip_qk``."""
+        self.attention.clip_qk = self._original

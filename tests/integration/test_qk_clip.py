@@ -1,0 +1,147 @@
+"""QK-clip seen, not mistaken, on real megatron-core GPTs at TP 1 and 2 (gloo ranks).
+
+megatron-core's own ``SelfAttention.clip_qk`` rescales the query and key rows of the groups whose
+max logit passed the threshold. A clip inside the monitor's window is divided out of the
+window's update: the signals equal those of the same weights with the clip applied before the
+window (no correction needed there), and differ without the correction. The clip signals count
+the clipped heads and the logit shrink, summed over TP ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests._dist import run_distributed
+
+pytest.importorskip("megatron.core")
+
+HEADS, GROUPS, TAU = 4, 2, 1.0
+LOGITS = {1: [3.0, 0.5, 0.5, 0.5], 2: [0.5, 0.5, 4.0, 0.5]}
+"""Max logit of each global head per layer: layer 1 clips group 0 by 1/3, layer 2 group 1 by
+1/4."""
+
+
+def _clip(model, tp_rank: int, tp_size: int) -> None:
+    import torch
+
+    per_rank = HEADS // tp_size
+    for attn in (m for m in model.modules() if hasattr(m, "clip_qk")
+                 and hasattr(m, "core_attention")):
+        heads = LOGITS[int(attn.layer_number)][tp_rank * per_rank:(tp_rank + 1) * per_rank]
+        attn.core_attention.current_max_attn_logits = torch.tensor(heads)
+        # megatron-core 0.16.1's clip_qk reshapes the local weight with the global projection
+        # sizes, so it fails under TP > 1; the per-partition sizes make it clip the shard.
+        full = attn.query_projection_size, attn.kv_projection_size
+        attn.query_projection_size, attn.kv_projection_size = (s // tp_size for s in full)
+        try:
+            attn.clip_qk()
+        finally:
+            attn.query_projection_size, attn.kv_projection_size = full
+
+
+def _signals(parallel, tp_rank: int, tp_size: int, when: str) -> dict:
+    """W0 -> clip -> W0' + 0.01 W' with the clip inside the window (``inside``: corrected;
+    ``uncorrected``: the recorder's scales ignored) or before the snapshot (``before``)."""
+    import torch
+
+    from mechmon_megatron.config import load_config
+    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.train.model import ModelSpec, build_gpt
+
+    kw = dict(num_layers=2, hidden_size=64, num_attention_heads=HEADS, num_query_groups=GROUPS,
+              seq_length=32, extra={"qk_clip": True, "qk_clip_threshold": TAU})
+    model = build_gpt(ModelSpec(**kw), parallel)
+    mon = attach(load_config({"qk": {"interval": 2, "terms": ["delta2", "dwq", "dwk"]},
+                              "router": {"enabled": False}, "optim": {"enabled": False},
+                              "sinks": {"jsonl": {"enabled": False},
+                                        "console": {"enabled": False}},
+                              "actions": {"on_alarm": "log"}}), [model])
+    if when == "uncorrected":
+        for monitor in mon.monitors:
+            for source in getattr(monitor, "sources", []):
+                source.clip.take = lambda: None
+    if when == "before":
+        _clip(model, tp_rank, tp_size)
+    mon.begin_step(2)
+    mon.end_step(2)
+    if when != "before":
+        _clip(model, tp_rank, tp_size)
+    other = build_gpt(ModelSpec(**{**kw, "seed": 99}), parallel)
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            p.add_(q, alpha=0.01)
+    mon.begin_step(4)
+    return dict(mon.end_step(4).signals)
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from mechmon_megatron.train.model import ParallelSpec, init_parallel
+
+    parallel = ParallelSpec(tp=world_size)
+    init_parallel(parallel)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    return {when: _signals(parallel, tp_rank, world_size, when)
+            for when in ("inside", "before", "uncorrected")}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[int, dict]:
+    return {tp: run_distributed(_worker, tp, timeout=300)[0] for tp in (1, 2)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_clip_inside_the_window_is_divided_out_of_the_update(runs, tp):
+    inside, before, raw = runs[tp]["inside"], runs[tp]["before"], runs[tp]["uncorrected"]
+    heads = [k for k in inside if k.startswith("attn/delta2/entropy/") and "/head_" in k]
+    assert len(heads) == 2 * HEADS
+    compared = 0
+    for name, value in before.items():
+        if name.startswith("attn/qk_clip/") or value is None or not math.isfinite(value):
+            continue
+        assert inside[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
+        compared += 1
+    assert compared > 50
+    moved = max(abs(raw[k] - before[k]) for k in heads)
+    assert moved > 1e-2, moved  # the correction is what makes them equal
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_clip_events_are_counted_per_layer_over_tp_ranks(runs, tp):
+    inside, before = runs[tp]["inside"], runs[tp]["before"]
+    assert inside["attn/qk_clip/heads/layer_1"] == 2.0
+    assert inside["attn/qk_clip/heads/layer_2"] == 2.0
+    assert inside["attn/qk_clip/log_shrink/layer_1"] == pytest.approx(2 * math.log(3.0))
+    assert inside["attn/qk_clip/log_shrink/layer_2"] == pytest.approx(2 * math.log(4.0))
+    # A clip before the first snapshot belongs to no window.
+    assert before["attn/qk_clip/heads/layer_1"] == 0.0
+
+
+def test_a_healthy_run_with_qk_clip_reports_its_clips_stays_silent_and_trains_unchanged(tmp_path):
+    import json
+
+    from mechmon_megatron.train.trainer import run
+
+    def cfg(out: str, mechmon: bool) -> dict:
+        return {"steps": 240, "out_dir": str(tmp_path / out), "log_interval": 0,
+                "attention": "bf16_flash",
+                "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                          "seq_length": 32,
+                          "extra": {"qk_clip": True, "qk_clip_threshold": 4.0}},
+                "optim": {"lr": 5e-3, "warmup_steps": 10, "weight_decay": 0.1},
+                "data": {"global_batch_size": 4},
+                "mechmon": {"enabled": mechmon, "qk": {"interval": 10},
+                            "optim": {"interval": 10}, "actions": {"on_alarm": "log"},
+                            "sinks": {"console": {"enabled": False}}}}
+
+    on, off = run(cfg("on", True)), run(cfg("off", False))
+    assert on.alarm is None and on.exit_code == off.exit_code == 0
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "train.jsonl").open()]
+              for d in ("on", "off")]
+    assert losses[0] == losses[1]
+    rows = [json.loads(line)["signals"] for line in (tmp_path / "on" / "metrics.jsonl").open()]
+    clipped = sum(r["attn/qk_clip/heads/layer_1"] + r["attn/qk_clip/heads/layer_2"] for r in rows)
+    assert clipped > 0

@@ -215,6 +215,12 @@ class QKUpdateMonitor(QKBatch, QKObserve):
             offset += size
         return out
 
+    def close(self) -> None:
+        """Give each layer back its own ``clip_qk`` (:mod:`.qk_clip`)."""
+        for source in self.sources:
+            if source.clip is not None:
+                source.clip.close()
+
     def owns(self, layer: int) -> bool:
         """Whether this rank's DP replica computes ``layer`` (``(layer - 1) % dp_size``)."""
         return owner_replica(layer, self.dp_size) == self.dp_rank

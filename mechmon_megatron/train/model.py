@@ -15,7 +15,8 @@ import torch
 
 from mechmon_megatron.config.fields import require
 
-__all__ = ["MLA_DIMS", "ModelSpec", "ParallelSpec", "init_parallel", "build_gpt", "destroy_parallel"]
+__all__ = ["MLA_DIMS", "ModelSpec", "ParallelSpec", "init_parallel", "build_gpt",
+           "destroy_parallel"]
 
 
 @dataclass

@@ -3,8 +3,8 @@
 The sketch's operator calls all-reduce partial products over the ranks; with the shared-seed
 Omega the reduced table (per-head signals, layer stats derived after the reduction, layer sketch)
 must match the single-process table of the per-layer path (``batched=False``: it sketches every
-layer, where the batched path computes a layer one process holds whole exactly). World size 4 with 2 key groups replicates each group on two
-ranks (the ng < tp case of megatron-core).
+layer, where the batched path computes a layer one process holds whole exactly). World size 4
+with 2 key groups replicates each group on two ranks (the ng < tp case of megatron-core).
 """
 
 from __future__ import annotations

@@ -196,6 +196,9 @@ class QKUpdateMonitor(QKBatch, QKObserve):
                 source.read_rows(lambda where, exc, s=source: self._error(s, where, exc))
         pending += [self._clip_pending(s) for s in self.sources
                     if s.clip is not None and s.layer in self.clipped and self.owns(s.layer)]
+        for source in self.sources:  # another replica's layer: its clips belong to no window here
+            if source.clip is not None and not self.owns(source.layer):
+                source.clip.take()
         parts = [t.reshape(-1) for tensors, _ in pending for t in tensors]
         host: list[float] | None = []
         if parts:

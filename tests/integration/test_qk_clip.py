@@ -76,24 +76,27 @@ def _signals(parallel, tp_rank: int, tp_size: int, when: str) -> dict:
     return dict(mon.end_step(4).signals)
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, tp: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from mechmon_megatron.train.model import ParallelSpec, init_parallel
 
-    parallel = ParallelSpec(tp=world_size)
+    parallel = ParallelSpec(tp=tp)
     init_parallel(parallel)
     tp_rank = ps.get_tensor_model_parallel_rank()
-    return {when: _signals(parallel, tp_rank, world_size, when)
+    return {when: _signals(parallel, tp_rank, tp, when)
             for when in ("inside", "before", "uncorrected")}
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[int, dict]:
-    return {tp: run_distributed(_worker, tp, timeout=300)[0] for tp in (1, 2)}
+    """TP 1, TP 2, and ``0``: two DP replicas at TP 1 (each layer computed by one of them)."""
+    out = {tp: run_distributed(_worker, tp, tp, timeout=300)[0] for tp in (1, 2)}
+    out[0] = run_distributed(_worker, 2, 1, timeout=300)[0]
+    return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 0])
 def test_a_clip_inside_the_window_is_divided_out_of_the_update(runs, tp):
     inside, before, raw = runs[tp]["inside"], runs[tp]["before"], runs[tp]["uncorrected"]
     heads = [k for k in inside if k.startswith("attn/delta2/entropy/") and "/head_" in k]
@@ -109,7 +112,7 @@ def test_a_clip_inside_the_window_is_divided_out_of_the_update(runs, tp):
     assert moved > 1e-2, moved  # the correction is what makes them equal
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, 2, 0])
 def test_clip_events_are_counted_per_layer_over_tp_ranks(runs, tp):
     inside, before = runs[tp]["inside"], runs[tp]["before"]
     assert inside["attn/qk_clip/heads/layer_1"] == 2.0

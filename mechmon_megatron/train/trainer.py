@@ -236,10 +236,8 @@ class _Trainer(CheckpointState):
                 logits = getattr(core, "current_max_attn_logits", None)
             if logits is None:
                 continue
-            logits = logits.detach().float().clone()
-            torch.distributed.all_reduce(logits, torch.distributed.ReduceOp.MAX,
-                                         group=self.dp_group)
-            core.current_max_attn_logits = logits
+            core.current_max_attn_logits = comm.all_reduce_max(logits.detach().float(),
+                                                               self.dp_group)
             attn.clip_qk()
 
     def _train_step(self, step: int) -> tuple[float, float, Any]:

@@ -81,21 +81,6 @@ class QKBatch:
                             self._decode_layer(s, r is not None, p, h, f, values)))
         return pending
 
-    def _read_owned(self, source: QKSource, step: int) -> tuple:
-        """``(source, rows, void, previous snapshot, pair, older, device)`` of an owned layer
-        (``pair``, ``older``: :meth:`~.qk_update.QKUpdateMonitor._read`'s)."""
-        rows, void = source.read_rows(lambda where, exc: self._error(source, where, exc))
-        prev = self.snapshots.get(source.layer)
-        pair = older = None
-        if rows is not None:
-            try:
-                pair, older = self._read(source, step, rows)
-            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
-                self._error(source, "read", exc)
-        device = rows[0].device if rows is not None else comm.device_for_group(
-            source.sketch_group)
-        return source, rows, void, prev, pair, older, device
-
     def _stage_tables(self, reads: list[tuple]
                       ) -> tuple[dict[int, tuple], dict[int, torch.Tensor]]:
         """``({layer: head table}, {layer: exact layer spectra [T, 6]})`` of the layers with an

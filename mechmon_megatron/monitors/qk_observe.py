@@ -83,11 +83,9 @@ class QKObserve:
     its ``config``, ``tag``, ``terms``, ``layer_terms``, ``extra``, ``snapshots``, ``seed``,
     ``_heads``, ``_groups``, counters, ``_read``, ``_warn_once`` and ``_error``."""
 
-    def _observe(self, source: QKSource, step: int
-                 ) -> tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]:
-        """Read one owned layer and start its computations: ``(device tensors, decode)``, the
-        decode turning their host copy (None: the transfer failed) into signals. Collective
-        on every rank of the sketch group, whatever this rank read."""
+    def _read_owned(self, source: QKSource, step: int) -> tuple:
+        """``(source, rows, void, previous snapshot, pair, older, device)`` of an owned layer
+        (``pair``, ``older``: :meth:`~.qk_update.QKUpdateMonitor._read`'s)."""
         rows, void = source.read_rows(lambda where, exc: self._error(source, where, exc))
         prev = self.snapshots.get(source.layer)
         pair = older = None
@@ -98,6 +96,14 @@ class QKObserve:
                 self._error(source, "read", exc)
         device = rows[0].device if rows is not None else comm.device_for_group(
             source.sketch_group)
+        return source, rows, void, prev, pair, older, device
+
+    def _observe(self, source: QKSource, step: int
+                 ) -> tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]:
+        """Read one owned layer and start its computations: ``(device tensors, decode)``, the
+        decode turning their host copy (None: the transfer failed) into signals. Collective
+        on every rank of the sketch group, whatever this rank read."""
+        _, rows, void, prev, pair, older, device = self._read_owned(source, step)
         tensors = [torch.as_tensor(void, dtype=torch.float64, device=device).reshape(1)]
         head = None
         if pair is not None:

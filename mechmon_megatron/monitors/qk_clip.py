@@ -17,11 +17,14 @@ order). Per layer and window it reports (summed over TP ranks; the owning DP rep
     attn/qk_clip/heads/layer_L        query heads clipped, summed over the window's clip calls
     attn/qk_clip/log_shrink/layer_L   sum over those heads of -log(eta_g): how far logits were cut
 
-Device tensors only: nothing reaches the host until the monitor's one transfer.
+Device tensors only, accumulated on every ``clip_qk`` call (a factor 1 where nothing was
+clipped), so the training step gains no host sync; nothing reaches the host until the monitor's
+one transfer. A recording that fails warns once and never stops the step.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -47,6 +50,8 @@ class ClipRecorder:
     def __init__(self, attention: Any, group_index: torch.Tensor) -> None:
         self.attention = attention
         self.group_index = group_index.long()
+        self.groups = int(self.group_index.max()) + 1 if self.group_index.numel() else 1
+        self._warned = False
         self.log_q: torch.Tensor | None = None  # [H_loc], sum of alpha log eta_g(h)
         self.log_k: torch.Tensor | None = None  # [G_loc], sum of (1 - alpha) log eta_g
         self.counts: torch.Tensor | None = None  # [2]: heads clipped, sum of -log eta
@@ -56,22 +61,26 @@ class ClipRecorder:
     def _clip_qk(self, *args: Any, **kwargs: Any) -> Any:
         logits = getattr(self.attention.core_attention, "current_max_attn_logits", None)
         if logits is not None:
-            self._record(logits.detach())
+            try:
+                self._record(logits.detach())
+            except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
+                if not self._warned:
+                    self._warned = True
+                    warnings.warn(f"mechmon qk: recording QK-clip's scales failed ({exc!r}); "
+                                  "the window's update keeps the rescale", RuntimeWarning,
+                                  stacklevel=2)
         return self._original(*args, **kwargs)
 
     def _record(self, logits_H: torch.Tensor) -> None:
         config = self.attention.config
-        groups = int(self.group_index.max()) + 1
-        peak_G = logits_H.float().view(groups, -1).max(dim=1).values
+        peak_G = logits_H.float().view(self.groups, -1).max(dim=1).values
         tau, alpha = float(config.qk_clip_threshold), float(config.qk_clip_alpha)
         clipped_G = peak_G > tau
-        if not bool(clipped_G.any()):  # megatron's clip_qk makes the same test (a host sync)
-            return
         log_eta_G = torch.where(clipped_G, torch.log(tau / peak_G), torch.zeros_like(peak_G))
         index = self.group_index.to(log_eta_G.device)
         if self.log_q is None:
             self.log_q = torch.zeros(index.numel(), dtype=torch.float64, device=index.device)
-            self.log_k = torch.zeros(groups, dtype=torch.float64, device=index.device)
+            self.log_k = torch.zeros(self.groups, dtype=torch.float64, device=index.device)
             self.counts = torch.zeros(2, dtype=torch.float64, device=index.device)
         self.log_q += alpha * log_eta_G.double()[index]
         self.log_k += (1.0 - alpha) * log_eta_G.double()
@@ -79,8 +88,8 @@ class ClipRecorder:
                                     -log_eta_G.double()[index].sum()])
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``(c_q [H_loc], c_k [G_loc], counts [2])`` since the last call, or None when nothing
-        was clipped; resets."""
+        """``(c_q [H_loc], c_k [G_loc], counts [2])`` since the last call (all ones and zeros
+        where nothing was clipped), or None when ``clip_qk`` was not called; resets."""
         if self.log_q is None:
             return None
         out = (self.log_q.exp(), self.log_k.exp(), self.counts)

@@ -37,6 +37,9 @@ def _files(root: Path) -> None:
     (root / "train_layers0.yaml").write_text("model: {num_layers: 0}\n")
     (root / "train_nan.yaml").write_text("optim: {lr: .nan}\n")
     (root / "tp2.yaml").write_text("parallel: {tp: 2}\n")
+    (root / "train_sgd.yaml").write_text("optim: {name: sgd}\n")
+    (root / "train_clip.yaml").write_text("steps: 2\nmodel: {num_layers: 1, hidden_size: 32, "
+                                          "extra: {qk_clip: true}}\n")
     (root / "plain.txt").write_text("hello\n")
     (root / "ckpts").mkdir()
     run = root / "trunc_alarm"
@@ -122,6 +125,10 @@ CASES = [
     (["train", "--config", "train_nan.yaml"], r"train\.optim\.lr: invalid value nan; allowed: "
                                               r"a finite number"),
     (["train", "--config", "tiny.yaml", "--steps", "0"], r"argument --steps: invalid value"),
+    (["train", "--config", "train_sgd.yaml"], r"train\.optim\.name: invalid value 'sgd'; "
+                                              r"allowed: one of 'adamw', 'muon'"),
+    (["train", "--config", "train_clip.yaml"], r"train\.model\.extra\.qk_clip: invalid value "
+                                               r"True; allowed: with attention bf16_flash"),
     (["train", "--config", "tp2.yaml"], r"train\.parallel: invalid value tp=2, pp=1, ep=1 for 1 "
                                         r"process\(es\)"),
     (["demo", "--steps", "0"], r"mechmon demo: error: argument --steps: invalid value '0'"),

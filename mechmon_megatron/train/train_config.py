@@ -61,7 +61,6 @@ class OptimConfig:
     """Static LR ratio of the MoE router param group (the router fault multiplies on top)."""
 
     def __post_init__(self) -> None:
-        require(self.name in ("adamw", "muon"), "name", self.name, "adamw or muon")
         require(0 <= self.momentum < 1, "momentum", self.momentum, "a number in [0, 1)")
         require(self.lr > 0, "lr", self.lr, "a number > 0")
         require(0 <= self.min_lr <= self.lr, "min_lr", self.min_lr, "a number in [0, lr]")

@@ -115,8 +115,8 @@ need = {
     "amax": "fp8/amax_log2/self_attention.linear_qkv.fwd/layer_1",
     "headroom": "fp8/headroom_log2/self_attention.linear_qkv.bwd/layer_1",
     "attention amax": "fp8/amax_log2/self_attention.core_attention.fwd/layer_1",
-    "max logit": "fp8/max_attn_logit/max/layer_1/head_0",
-    "layer max logit": "fp8/max_attn_logit/max/layer_1",
+    "max logit": "attn/max_logit/max/layer_1/head_0",
+    "layer max logit": "attn/max_logit/max/layer_1",
     "qk": "attn/delta2/entropy/layer_1/min",
 }
 if sys.argv[2] == "1":

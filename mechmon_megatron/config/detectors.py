@@ -159,7 +159,8 @@ class FamilyDetectorConfig:
     """Positive signals (patterns) judged for jumps, not drift: each sample's log-ratio to the
     median of its previous ``jump_window`` samples (detect/jumps.py), so a slow drift by design
     (the loss falling, the grad norm rising under weight decay late in a cosine schedule)
-    never accumulates against a baseline formed early in the run."""
+    never accumulates against a baseline formed early in the run. No CUSUM judges them: it
+    would sum the small positive jumps of a drift."""
     pooled_signals: list[str] = field(default_factory=list)
     """Signals (patterns) pooled into one statistic per layer, ``<family>/pooled/layer_<L>``:
     the mean of their oriented z's (peer signals against their pack), judged by the family's
@@ -194,10 +195,14 @@ def _attn_family() -> FamilyDetectorConfig:
     # Spectral entropies against the other layers at the same step (a biased kernel drives a few
     # layers; warm-up and LR decay move all of them); the cosine of successive updates is
     # scale-free, so it is read as is and rises when one direction is written step after step.
+    # A layer's max logit (where the core attention keeps it) grows with the size of the drift
+    # its spectrum sees the direction of, and grows slowly in healthy runs as the weights do:
+    # it is judged for jumps against its own trailing window, upward.
     return FamilyDetectorConfig(
-        signals=[*_ATTN_ENTROPIES, "attn/coherence/cos/layer_*/max"],
+        signals=[*_ATTN_ENTROPIES, "attn/coherence/cos/layer_*/max", "attn/max_logit/max/layer_*"],
         direction="down",
-        directions={"attn/coherence/**": "up"},
+        directions={"attn/coherence/**": "up", "attn/max_logit/**": "up"},
+        jump_signals=["attn/max_logit/max/layer_*"],
         peer_signals=list(_ATTN_ENTROPIES),
         # A biased kernel moves every entropy of its layer and the update cosine a little, and
         # spreads to the other layers: one statistic per layer, against its peers and itself.
@@ -259,7 +264,6 @@ def _fp8_family() -> FamilyDetectorConfig:
         signals=[
             "fp8/amax_log2/*/layer_*",
             "fp8/headroom_log2/*/layer_*",
-            "fp8/max_attn_logit/max/layer_*",
         ],
         direction="up",
         directions={"fp8/headroom_log2/**": "down"},
@@ -372,14 +376,14 @@ class DetectorsConfig:
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     """Baseline of every family without its own."""
     attn: FamilyDetectorConfig = field(default_factory=_attn_family)
-    """Attention (QK-update) signals."""
+    """Attention signals: the QK update's spectra and coherence, the max logits."""
     router: FamilyDetectorConfig = field(default_factory=_router_family)
     """MoE router signals."""
     optim: FamilyDetectorConfig = field(default_factory=_optim_family)
     """Optimizer signals: the absolute bound on the preconditioned sharpness (eos_ratio > 2,
     twice the edge of stability, needs no baseline) and update ratios against their baseline."""
     fp8: FamilyDetectorConfig = field(default_factory=_fp8_family)
-    """FP8 scaling signals (Transformer Engine): amax growth, saturation headroom, max logits."""
+    """FP8 scaling signals (Transformer Engine): amax growth, saturation headroom."""
     global_: FamilyDetectorConfig = field(
         default_factory=_global_family, metadata={"key": "global"}
     )

@@ -68,6 +68,10 @@ class QKConfig:
     """Cosine of successive updates of each head's QK form (keeps W(t - 2 interval) too)."""
     form_sigma1: bool = True
     """Top singular value of each head's QK form W_Q W_K^T."""
+    max_logit: bool = True
+    """Each head's max pre-softmax attention logit, where the core attention keeps it
+    (``current_max_attn_logits``: megatron's ``--log-max-attention-logit`` or ``--qk-clip``,
+    TE >= 2.9; the reference trainer's attention emulations), as ``attn/max_logit/...``."""
     layer_sketch: SketchConfig = field(default_factory=SketchConfig)
     """Layer-level randomized sketch over all heads."""
 
@@ -189,7 +193,7 @@ class OptimMonitorConfig:
 
 @dataclass
 class FP8Config:
-    """FP8 monitor: Transformer Engine's per-module amax / scale and per-head max logits."""
+    """FP8 monitor: Transformer Engine's per-module amax / scale."""
 
     enabled: Literal["auto"] | bool = "auto"
     """``auto``: on when the model has Transformer Engine modules; ``true`` without them warns."""
@@ -197,9 +201,6 @@ class FP8Config:
     """Monitor every this many steps."""
     layers: Literal["all"] | list[int] = "all"
     """``all`` or a list of global 1-based layer numbers."""
-    attn_logits: bool = True
-    """Read each head's max attention logit where TE keeps it (megatron-core
-    ``core_attention.current_max_attn_logits``: ``--log-max-attention-logit``, TE >= 2.9)."""
 
     def __post_init__(self) -> None:
         check_interval(self.interval)

@@ -242,7 +242,7 @@ class DetectorBank:
         rules = not _matches(name, fam.bound_only) and name not in self._members
         if fam.robust_z.enabled and rules:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
-        if fam.cusum.enabled and rules:
+        if fam.cusum.enabled and rules and name not in self.jumps:
             channel.detectors.append(Cusum(name, family, baseline, fam.cusum, direction))
         floor = next((v for p, v in fam.alarm_above.items() if compile_pattern(p).match(name)),
                      None)

@@ -108,8 +108,9 @@ class BF16FlashAttention(torch.nn.Module):
 
     The fault: :meth:`set_injection` switches the biased rounding on or off; :meth:`reseed`
     makes the row selection of a step a function of ``(seed, layer, step)``.
-    ``max_logits_N`` holds the per-head max logits ``[N]`` over the forwards since its owner last
-    set it to None (:func:`head_max_logits`; the trainer resets it each step).
+    ``current_max_attn_logits`` holds the per-head max logits ``[N]`` over the forwards since
+    its owner last set it to None (:func:`head_max_logits`; the trainer resets it each step), as
+    TE's ``DotProductAttention`` keeps them for megatron's QK-clip.
     """
 
     def __init__(
@@ -127,7 +128,7 @@ class BF16FlashAttention(torch.nn.Module):
         self.rate = 0.0
         self.where = "output"
         self.generator = torch.Generator()
-        self.max_logits_N: torch.Tensor | None = None
+        self.current_max_attn_logits: torch.Tensor | None = None
 
     @classmethod
     def replacing(cls, core_attention: Any) -> BF16FlashAttention:
@@ -191,7 +192,7 @@ class BF16FlashAttention(torch.nn.Module):
         context, logits_N = megatron_attention(
             query, key, value, attention_mask, attention_bias, packed_seq_params,
             self.num_heads // self.num_groups, self.causal, "bf16", attend, self.softmax_scale)
-        self.max_logits_N = running_max(self.max_logits_N, logits_N)
+        self.current_max_attn_logits = running_max(self.current_max_attn_logits, logits_N)
         return context
 
 

@@ -48,7 +48,7 @@ class FP8FlashAttention(torch.nn.Module):
         self.scaler = FP8Scaler(scaling, history_len)
         self.delta: Delta = "matched"
         self.injecting = False
-        self.max_logits_N: torch.Tensor | None = None
+        self.current_max_attn_logits: torch.Tensor | None = None
         """Per-head max logits ``[N]`` since the owner last set it to None."""
 
     @classmethod
@@ -87,7 +87,7 @@ class FP8FlashAttention(torch.nn.Module):
             lambda q, k, v, mask: fp8_flash_attention(q, k, v, mask, self.softmax_scale,
                                                       self.delta, self.scaler),
             self.softmax_scale)
-        self.max_logits_N = running_max(self.max_logits_N, logits_N)
+        self.current_max_attn_logits = running_max(self.current_max_attn_logits, logits_N)
         return context
 
 

@@ -115,6 +115,12 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
                     config.qk, tagged, all_layers=all_layers, seed=config.seed,
                     dp_rank=dp_rank, dp_size=dp_size, tag=tag, clipped=sorted(clipped),
                     dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
+    if config.qk.enabled and config.qk.max_logit:
+        from mechmon_megatron.integrations.mcore_max_logit import max_logit_monitor
+
+        logits = max_logit_monitor(config, model_chunks)
+        if logits is not None:
+            monitors.append(logits)
     if config.router.enabled is not False:
         from mechmon_megatron.layouts.megatron_router import router_sources
         from mechmon_megatron.monitors.router import RouterMonitor

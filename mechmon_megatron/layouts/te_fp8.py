@@ -1,4 +1,4 @@
-"""Where Transformer Engine (>= 2.x) keeps its FP8 scaling state, and the per-head max logits.
+"""Where Transformer Engine (>= 2.x) keeps its FP8 scaling state.
 
 Every TE module (``TransformerEngineBaseModule``: megatron-core's ``TELinear``,
 ``TELayerNormColumnParallelLinear``, ``TERowParallelLinear``, ``TEGroupedLinear`` experts,
@@ -18,18 +18,13 @@ for the next step), and ``scale = fp8_max / amax_window / 2^margin``; with a his
 1 (Megatron's default) the newest amax is only in the scale, so the amax read here is
 ``max(max over the history, fp8_max / (scale 2^margin))``: the window amax behind the scale.
 
-Megatron-core's ``TEDotProductAttention`` keeps ``current_max_attn_logits`` ``[heads per
-partition]`` (the max over the step's micro-batches of each head's max pre-softmax logit) when
-``--log-max-attention-logit`` or ``--qk-clip`` is on (TE >= 2.9); ``clip_qk`` resets it to None
-after the optimizer step, so it is read by a forward hook (:func:`attach_logit_hook`).
-
 Nothing here imports transformer_engine: the attribute layout is read duck-typed, so a test
 double with the same attributes exercises it on CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +35,6 @@ __all__ = [
     "FP8Module",
     "find_fp8_modules",
     "read_fp8_state",
-    "attach_logit_hook",
 ]
 
 FORMAT_MAX = {"E4M3": (448.0, 448.0), "E5M2": (57344.0, 57344.0), "HYBRID": (448.0, 57344.0)}
@@ -133,19 +127,3 @@ def read_fp8_state(module: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor, f
             scale_n = torch.cat([q.scale.detach().float().reshape(-1)[:1] for q in quantizers])
             out[direction] = (amax_n, scale_n, fmax)
     return out
-
-
-def attach_logit_hook(core_attention: Any,
-                      sink: Callable[[torch.Tensor], None]) -> Callable[[], None]:
-    """Forward hook handing ``core_attention.current_max_attn_logits`` to ``sink`` after each
-    call (when set); returns the detach function. Under activation recompute the recomputed
-    forward hands the same maxima again (a max is unchanged by it)."""
-
-    def hook(module: Any, args: Any, output: Any) -> None:
-        logits = getattr(module, "current_max_attn_logits", None)
-        if isinstance(logits, torch.Tensor):
-            sink(logits.detach())
-
-    handle = core_attention.register_forward_hook(hook)
-    return handle.remove
-

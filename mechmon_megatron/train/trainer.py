@@ -225,7 +225,8 @@ class _Trainer(CheckpointState):
         all-reduce over the world: TP shards heads, PP layers); None without an emulation."""
         if not self.emulated:
             return None
-        held = [m.max_logits_N.max() for m in self.emulated if m.max_logits_N is not None]
+        held = [m.current_max_attn_logits.max() for m in self.emulated
+                if m.current_max_attn_logits is not None]
         local = torch.stack(held).max().double() if held else torch.tensor(-math.inf).double()
         return float(comm.all_reduce_max(local.view(1)).item())
 
@@ -235,9 +236,7 @@ class _Trainer(CheckpointState):
         ``current_max_attn_logits``, then the module's own ``clip_qk``."""
         for attn in self.clipping:
             core = attn.core_attention
-            logits = getattr(core, "max_logits_N", None)
-            if logits is None:
-                logits = getattr(core, "current_max_attn_logits", None)
+            logits = getattr(core, "current_max_attn_logits", None)
             if logits is None:
                 continue
             core.current_max_attn_logits = comm.all_reduce_max(logits.detach().float(),
@@ -258,7 +257,7 @@ class _Trainer(CheckpointState):
         self.probe_batch = (tokens_BS[:keep], labels_BS[:keep])
         self.optimizer.zero_grad(set_to_none=False)
         for m in self.emulated:
-            m.max_logits_N = None
+            m.current_max_attn_logits = None
         loss = self._forward_backward(tokens_BS, labels_BS)
         self.max_logit = self._max_logit()
         sync_grads(self.model)

@@ -2,7 +2,8 @@
 (``TEGroupedMLP`` with ``GroupedLinear``'s ``weight0..weight{E-1}`` and ``fp8_meta``) and whose
 core attention is a ``TEDotProductAttention`` double keeping ``current_max_attn_logits``: the
 attach path builds the QK, router and FP8 monitors, the router monitor sees every routing
-decision, and the FP8 signals (amax, headroom, per-head max logits) reach the reduced table.
+decision, the FP8 signals (amax, headroom) and the per-head max logits (attention signals)
+reach the reduced table.
 Transformer Engine itself needs CUDA; these doubles carry its attribute layout."""
 
 from __future__ import annotations
@@ -172,18 +173,21 @@ def _run(rank: int, world_size: int, out_dir: str) -> dict:
             "coverage": coverage}
 
 
-def test_te_grouped_experts_and_te_attention_doubles_feed_router_qk_and_fp8_monitors(tmp_path):
+def test_te_doubles_feed_the_router_qk_fp8_and_max_logit_monitors(tmp_path):
     out = run_distributed(_run, 1, str(tmp_path))[0]
     assert out["doubled"] == pytest.approx(out["stock"], rel=1e-5)  # the doubles compute the same
-    assert {"FP8Monitor", "QKUpdateMonitor", "RouterMonitor"} <= set(out["families"])
+    assert {"FP8Monitor", "MaxLogitMonitor", "QKUpdateMonitor",
+            "RouterMonitor"} <= set(out["families"])
     assert out["coverage"]["RouterMonitor"]["observed"] == 2
-    assert out["coverage"]["FP8Monitor"] == {"found": 6, "observed": 6, "skipped": 0, "errors": 0}
+    assert out["coverage"]["FP8Monitor"] == {"found": 6, "observed": 6, "errors": 0}
+    assert out["coverage"]["MaxLogitMonitor"] == {"found": 2, "observed": 2, "skipped": 0,
+                                                  "errors": 0}
     table = out["tables"][4]
     for layer in (1, 2):
         assert math.isfinite(table[f"router/entropy_mean/layer_{layer}"])
-        heads = [table[f"fp8/max_attn_logit/max/layer_{layer}/head_{h}"] for h in range(4)]
+        heads = [table[f"attn/max_logit/max/layer_{layer}/head_{h}"] for h in range(4)]
         assert all(math.isfinite(v) for v in heads)
-        assert table[f"fp8/max_attn_logit/max/layer_{layer}"] == max(heads)
+        assert table[f"attn/max_logit/max/layer_{layer}"] == max(heads)
         for module in ("mlp.experts.linear_fc1", "mlp.experts.linear_fc2",
                        "self_attention.core_attention"):
             key = f"{module}.fwd/layer_{layer}"

@@ -85,12 +85,10 @@ def _model(layers=(1, 2)) -> torch.nn.Module:
     return model
 
 
-def _monitor(model, interval=1, head_offset=2, heads=8, attn_logits=True):
+def _monitor(model, interval=1):
     found = find_fp8_modules([model])
-    config = types.SimpleNamespace(interval=interval, layers="all", attn_logits=attn_logits)
-    catalog = [(m.layer, m.name) for m in found]
-    return FP8Monitor(config, found, catalog, {m.layer: heads for m in found if m.attention},
-                      head_offset=head_offset)
+    config = types.SimpleNamespace(interval=interval, layers="all")
+    return FP8Monitor(config, found, [(m.layer, m.name) for m in found])
 
 
 def test_te_modules_are_found_per_decoder_layer_with_their_paths():
@@ -121,23 +119,18 @@ def test_delayed_and_current_scaling_state_is_read_from_te_attributes():
     assert read_fp8_state(idle) == {}
 
 
-def test_monitor_reports_amax_growth_saturation_and_per_head_max_logits():
+def test_monitor_reports_amax_growth_and_saturation():
     model = _model()
     mon = _monitor(model)
     names = mon.signal_names()
-    assert names == fp8_signal_names(sorted({(m.layer, m.name) for m in mon.modules}),
-                                     {1: 8, 2: 8})
+    assert names == fp8_signal_names(sorted({(m.layer, m.name) for m in mon.modules}))
     assert "fp8/headroom_log2/self_attention.linear_qkv.fwd/layer_1" in names
-    assert "fp8/max_attn_logit/max/layer_2/head_7" in names
+    assert not [n for n in names if "logit" in n]  # max logits are attention signals
     qkv = model.decoder[0].self_attention.linear_qkv
-    core = model.decoder[1].self_attention.core_attention
     # step 1: steady amax 2 (scale 224); step 2: the forward amax jumps 8x -> clipped by 3 binades
     for step, amax in ((1, 2.0), (2, 16.0)):
         mon.begin_step(step)
         qkv.te_step(amax, 1.0)
-        core(torch.tensor([1.0, 5.0, 2.0, 0.5]))  # micro-batch 1 (this rank: heads 2..5)
-        core(torch.tensor([3.0, 4.0, 2.0, 0.5]))  # micro-batch 2
-        core.current_max_attn_logits = None  # megatron's clip_qk resets it after the step
         out = mon.end_step(step)
     key = "self_attention.linear_qkv.fwd/layer_1"
     assert out[f"fp8/amax_log2/{key}"] == pytest.approx(4.0)
@@ -145,27 +138,18 @@ def test_monitor_reports_amax_growth_saturation_and_per_head_max_logits():
     assert out[f"fp8/headroom_log2/{key}"] == pytest.approx(-3.0)  # used scale 224, amax 16
     assert out[f"fp8/scale_log2/{key}"] == pytest.approx(math.log2(28.0))
     assert out["fp8/headroom_log2/self_attention.linear_qkv.bwd/layer_1"] >= 0
-    heads = {k: v for k, v in out.items() if "max_attn_logit" in k}
-    assert heads == {f"fp8/max_attn_logit/max/layer_2/head_{h}": v
-                     for h, v in zip(range(2, 6), (3.0, 5.0, 2.0, 0.5), strict=True)}
-    table = dict.fromkeys(names, math.nan) | out
-    assert mon.derive(table) == {"fp8/max_attn_logit/max/layer_2": 5.0}
     assert set(out) <= set(names)
-    assert mon.coverage() == {"found": 8, "observed": 8, "skipped": 1, "errors": 0}  # layer 1
+    assert mon.coverage() == {"found": 8, "observed": 8, "errors": 0}
     mon.begin_step(3)  # not monitored at interval 2 ...
     again = _monitor(model, interval=2)
     again.load_state_dict(mon.state_dict())
     again.begin_step(3)
     assert again.end_step(3) == {}
-    mon.close()
-    core(torch.tensor([9.0, 9.0, 9.0, 9.0]))
-    assert mon.logits == {}
 
 
-def test_monitor_without_attn_logits_declares_no_logit_signals_and_survives_a_broken_module():
+def test_monitor_survives_a_broken_module():
     model = _model(layers=(3,))
-    mon = _monitor(model, attn_logits=False)
-    assert not [n for n in mon.signal_names() if "max_attn_logit" in n]
+    mon = _monitor(model)
     mon.begin_step(1)
     model.decoder[0].self_attention.linear_qkv.fp8_meta["scaling_fwd"].scale = "broken"
     with pytest.warns(UserWarning, match="fp8 monitor: scale statistics failed"):
@@ -217,8 +201,8 @@ def test_fp8_family_is_configured_watched_and_attributed_to_fp8_scaling():
     from mechmon_megatron.detect import DetectorBank
     from mechmon_megatron.signals import family_of
 
-    cfg = load_config({"fp8": {"interval": 50, "attn_logits": False}})
-    assert (cfg.fp8.enabled, cfg.fp8.interval, cfg.fp8.attn_logits) == ("auto", 50, False)
+    cfg = load_config({"fp8": {"interval": 50}})
+    assert (cfg.fp8.enabled, cfg.fp8.interval) == ("auto", 50)
     with pytest.raises(ValueError, match=r"mechmon\.fp8\.interval"):
         load_config({"fp8": {"interval": 0}})
     with pytest.raises(ValueError, match=r"fp8\.signals\[0\]"):

@@ -30,11 +30,11 @@ def test_emulation_records_each_heads_max_unmasked_logit_over_its_forwards():
         s_BNQS = s_BNQS.masked_fill(torch.ones(q, q, dtype=torch.bool).triu(1), -math.inf)
         seen.append(s_BNQS.amax(dim=(0, 2, 3)))
     expected_N = torch.maximum(seen[0], seen[1])
-    assert att.max_logits_N.shape == (n,)
-    assert torch.allclose(att.max_logits_N.double(), expected_N, rtol=1e-6, atol=1e-6)
-    att.max_logits_N = None  # the trainer's reset before each step
+    assert att.current_max_attn_logits.shape == (n,)
+    assert torch.allclose(att.current_max_attn_logits.double(), expected_N, rtol=1e-6, atol=1e-6)
+    att.current_max_attn_logits = None  # the trainer's reset before each step
     att(torch.randn(q, b, n, k), torch.randn(q, b, g, k), torch.randn(q, b, g, k), None)
-    assert not torch.equal(att.max_logits_N, expected_N.float())
+    assert not torch.equal(att.current_max_attn_logits, expected_N.float())
 
 
 def test_head_max_logits_ignores_masked_scores():

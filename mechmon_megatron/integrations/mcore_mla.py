@@ -9,7 +9,9 @@ projections and the DP exchange of sharded fp32 main params are in
 
 Process groups come from ``megatron.core.parallel_state`` as for standard attention; the two
 sources of a layer read separately (the down projections travel twice: simple, and only on
-monitored steps).
+monitored steps). Under megatron-core's QK-clip one :class:`~mechmon_megatron.monitors.qk_clip.
+ClipRecorder` per layer wraps ``clip_qk`` and corrects both forms (the no-RoPE source carries
+the layer's clip counts).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.megatron_mla import mla_factors, mla_layout, mla_read_phases
 from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, low_precision_reason
+from mechmon_megatron.monitors.qk_clip import ClipRecorder
 from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
 
 __all__ = ["TAGS", "mla_sources"]
@@ -61,6 +64,9 @@ def mla_sources(found: list[tuple[str, Any]], optimizer: Any = None, dp_rank: in
         owner = owner_replica(int(attn.layer_number), dp_size)
         dst = members.index(owner) if owner in members else None
         heads = layout["head_index"]
+        clip = (ClipRecorder(attn, torch.arange(heads.numel()), rope=True)
+                if getattr(attn.config, "qk_clip", False) and hasattr(attn, "clip_qk") else None)
+        clips = {"nope": clip, "rope": None if clip is None else clip.rope}
         shared = mla_factors(attn, layout)["shared"]
         d_model = int(shared["kv_down"].shape[-1])
         for part, tag in TAGS.items():
@@ -74,5 +80,6 @@ def mla_sources(found: list[tuple[str, Any]], optimizer: Any = None, dp_rank: in
                 read=read, sketch_group=tp_group,
                 num_groups=1 if rope else layout["num_heads"], exchange=exchange,
                 finish=finish, dp_exchange=group is not None and dst is not None,
-                dims=(layout["rope"] if rope else layout["qk"], d_model), tag=tag))
+                dims=(layout["rope"] if rope else layout["qk"], d_model), tag=tag,
+                clip=clips[part]))
     return sources

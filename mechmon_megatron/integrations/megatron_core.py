@@ -106,7 +106,9 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
         for tag in ("", "rope_"):  # the same gathers on every rank; rope_: MLA's RoPE form
             tagged = [s for s in sources if s.tag == tag]
             all_layers = comm.all_gather_union({s.layer: s.num_heads for s in tagged})
-            clipped = comm.all_gather_union({s.layer: 1 for s in tagged if s.clip is not None})
+            # A layer's clip counts: once, with its (no-RoPE) form tagged "".
+            clipped = comm.all_gather_union({s.layer: 1 for s in tagged
+                                             if s.clip is not None and not tag})
             if not all_layers and not tag:
                 raise ValueError("qk.enabled is true but the model has no megatron-core "
                                  "SelfAttention layers; set qk.enabled: false")

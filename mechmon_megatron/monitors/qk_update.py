@@ -397,7 +397,8 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         if clip is not None:  # QK-clip rescaled the rows in the window: divide it out
             prev_q = prev_q * clip[0].to(wq.device, wq.dtype).view(-1, 1, 1)
             prev_k = prev_k * clip[1].to(wk.device, wk.dtype).view(-1, 1, 1)
-            self._clip_counts[source.layer] = clip[2]
+            if source.layer in self.clipped:
+                self._clip_counts[source.layer] = clip[2]
         if ("coherence", "cos") in self.extra:
             # W(t - delta) stays for the next step's cosine of successive updates.
             snap.update(wq_prev=prev["wq"] if clip is None else prev_q.to(prev["wq"]),

@@ -7,8 +7,9 @@ with those two widths, for the reference trainer and the tests:
 
     S = scale * Q K^T  [B, N, Q, S],  P = softmax(S + causal mask),  O = P V  [Q, B, N Kv]
 
-Like TE's ``DotProductAttention`` (TE >= 2.9) it keeps ``current_max_attn_logits`` ``[N]``, the
-running max over micro-batches of ``max_{b,q,s unmasked} S`` per local head, when
+Like TE's ``DotProductAttention`` (TE >= 2.9) it keeps ``current_max_attn_logits`` ``[N]`` (an
+attribute it defines only then), the running max over micro-batches of
+``max_{b,q,s unmasked} S`` per local head, when
 ``config.qk_clip`` or ``config.log_max_attention_logit`` is set: what megatron-core's
 ``clip_qk`` and ``MLASelfAttention.clip_qk`` read (and reset to None).
 """
@@ -69,7 +70,8 @@ class MLADotProductAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.k_channels)
         self.record_max = bool(getattr(config, "qk_clip", False)
                                or getattr(config, "log_max_attention_logit", False))
-        self.current_max_attn_logits: torch.Tensor | None = None
+        if self.record_max:  # TE defines the attribute only then (monitors look for it)
+            self.current_max_attn_logits: torch.Tensor | None = None
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,

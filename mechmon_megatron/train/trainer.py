@@ -176,10 +176,11 @@ class _Trainer(CheckpointState):
             raise ValueError("train.model.extra.qk_clip: invalid value True; allowed: with "
                              "attention bf16_flash or fp8_flash (the emulation records each "
                              "head's max logit) or an MLA model")
-        if self.clipping and cfg.parallel.tp > 1:
+        if self.clipping and cfg.parallel.tp > 1 and not cfg.model.multi_latent_attention:
             raise ValueError("train.model.extra.qk_clip: invalid value True; allowed: with "
-                             "parallel.tp 1 (megatron-core 0.16.1's clip_qk reshapes a TP shard "
-                             "with the global projection sizes and fails)")
+                             "parallel.tp 1 or an MLA model (megatron-core 0.16.1's "
+                             "SelfAttention.clip_qk reshapes a TP shard with the global "
+                             "projection sizes and fails)")
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
         self.layout = {"world": comm.world_size(), "tp": cfg.parallel.tp, "ep": cfg.parallel.ep,

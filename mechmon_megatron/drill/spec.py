@@ -81,8 +81,8 @@ __all__ = [
 ]
 
 ROOT = "campaign"
-SHIPPED = ("quick", "full", "long", "soak", "dev", "validation", "holdout", "mla_quick",
-           "muon")
+SHIPPED = ("quick", "full", "long", "soak", "dev", "validation", "holdout", "holdout_long",
+           "mla_quick", "muon")
 """Campaigns shipped as package data (``mechmon_megatron/campaigns/<name>.yaml``)."""
 
 FaultClass = Literal["attention", "lr", "router", "compound", "fp8_attention"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
 
         from_file(args.config, load_config)
     campaign = build_campaign(spec, args.config)
+    for r in campaign.blind_runs():
+        print(f"mechmon drill: warning: {r.name} starts its fault at step {r.fault_start}, "
+              f"before the baselines form (step {campaign.judged_from}: detection start + "
+              "warmup_samples x interval); until then only the absolute rules (the sharpness "
+              "bound, a non-finite loss) judge it", file=sys.stderr, flush=True)
     out = Path(args.out)
     if args.rescore or args.budgets:
         return _rescore(args, campaign, out)

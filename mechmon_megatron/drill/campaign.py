@@ -130,6 +130,20 @@ class Campaign:
         """``{run name: run}``."""
         return {r.name: r for r in self.runs}
 
+    @property
+    def judged_from(self) -> int:
+        """First step at which every attention baseline has formed: the detection start (the
+        LR warm-up's end unless ``detectors.start_step`` is set) plus ``warmup_samples``
+        monitor intervals. Until then only the absolute rules judge a fault."""
+        det = self.mechmon["detectors"]
+        start = int(det["start_step"]) or int(self.spec.optim.warmup_steps)
+        return start + int(det["warmup_samples"]) * int(self.spec.monitor.interval)
+
+    def blind_runs(self) -> list[DrillRun]:
+        """Faulty runs whose onset precedes :attr:`judged_from` (no detector judges there)."""
+        return [r for r in self.runs
+                if r.fault_start is not None and not r.control and r.fault_start < self.judged_from]
+
     def describe(self) -> dict[str, Any]:
         """JSON-ready campaign settings (the ``campaign`` object of ``drill.json``)."""
         spec = dataclasses.asdict(self.spec)
@@ -139,6 +153,7 @@ class Campaign:
                            "fault": f.fault_section(self.steps)} for f in self.spec.faults]
         spec["fault_starts"] = self.spec.fault_steps()
         spec["mechmon_config"] = self.config_source
+        spec["judged_from"] = self.judged_from
         spec["mechmon"] = self.mechmon
         return spec
 

@@ -138,6 +138,18 @@ def _premise(emu: dict[str, Any] | None) -> list[str]:
         f"emulation vs fp32: {100 * share['emulation_vs_fp32']:.0f}%.", ""]
 
 
+def _blind(report: dict[str, Any]) -> list[str]:
+    """A line naming the faults that start before the baselines form (none: no line)."""
+    ready = report["campaign"].get("judged_from")
+    blind = [r["name"] for r in report["runs"] if ready is not None and not r["scored_healthy"]
+             and r["fault_start"] is not None and r["fault_start"] < ready]
+    if not blind:
+        return []
+    return [f"Before the baselines form (step {ready}: detection start + warmup_samples x "
+            "interval) only the absolute rules (the sharpness bound, a non-finite loss) judge; "
+            f"these faults start earlier: {', '.join(blind)}.", ""]
+
+
 def render(report: dict[str, Any]) -> str:
     """The Markdown text of a ``drill.json`` report."""
     c = report["campaign"]
@@ -151,7 +163,7 @@ def render(report: dict[str, Any]) -> str:
         "share; twin@step: a post-onset alarm the healthy twin raised too (not a detection); "
         "FA@step: a false alarm before onset. Lead = divergence - alarm (steps, % of "
         "onset-to-divergence).", "",
-        "## Faulty runs", "", *_faulty(report), "",
+        "## Faulty runs", "", *_faulty(report), "", *_blind(report),
         "## Healthy runs and controls (any alarm is a false alarm)", "", *_healthy(report), "",
         "## Oracle (when the fault's module left its healthy twin; lag in samples)", "",
         *_oracle(report), "",

@@ -158,3 +158,20 @@ def test_mla_dims_shape_the_key_of_mla_models_only():
     other = load_campaign(_with("models.dense.multi_latent_attention", True))
     other.models["dense"].kv_lora_rank = 16
     assert build_campaign(other).runs[0].key() != build_campaign(mla).runs[0].key()
+
+
+def test_a_fault_before_the_baselines_form_is_named_in_a_warning_and_the_report():
+    from mechmon_megatron.drill.markdown import _blind
+
+    early = dict(_with("steps", 4000), optim={"warmup_steps": 200}, monitor={"interval": 100})
+    campaign = build_campaign(load_campaign(early))  # onset 2000 < 200 + 20 x 100
+    assert campaign.judged_from == 2200
+    assert [r.name for r in campaign.blind_runs()] == ["attn-s1", "attn-s2"]
+    later = build_campaign(load_campaign(dict(early, steps=5000)))  # onset 2500
+    assert later.blind_runs() == []
+    report = {"campaign": campaign.describe(),
+              "runs": [{"name": r.name, "scored_healthy": r.scored_healthy,
+                        "fault_start": r.fault_start} for r in campaign.runs]}
+    assert "step 2200" in _blind(report)[0] and "attn-s1, attn-s2" in _blind(report)[0]
+    report["campaign"]["judged_from"] = 1000
+    assert _blind(report) == []

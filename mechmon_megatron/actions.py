@@ -29,7 +29,8 @@ import warnings
 from typing import Protocol, runtime_checkable
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm import Alarm, utc_now, write_alarm_json
+from mechmon_megatron.alarm import Alarm, write_alarm_json
+from mechmon_megatron.jsonable import utc_now
 
 __all__ = [
     "DEFAULT_EXIT_CODE",

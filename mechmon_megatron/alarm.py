@@ -1,21 +1,12 @@
-"""The alarm: one verdict for every rank, one record, one file an operator can act on.
+"""The alarm: one record, one file an operator can act on.
 
-Consensus. Detectors run on the reduced signal table, so they normally agree on every rank; the
-consensus step makes agreement a guarantee. On every monitored step every rank calls
-:func:`consensus` with the same tensor shape; one MAX all-reduce over the world group of::
-
-    [flag, -onset_step, -alarm_step, -global_rank, payload...]      int64
-
-gives ``flag`` = any rank tripped, and the earliest onset, earliest alarm step and lowest tripped
-rank (a rank that did not trip sends ``-2**62``, which never wins). The lowest tripped rank then
-broadcasts its diagnosis, on a branch every rank takes because every rank saw the same flag.
-
-Record and file. An :class:`Alarm` names the fault class, onset and alarm steps, the evidence, the
-hash of the configuration, the last checkpoint saved before the onset, the exit code and an
-``alarm_id``: 12 hex digits of ``sha256(fault_class|alarm_step|config_hash)``, short enough to
-type. Rank 0 writes it as ``alarm.json`` beside the checkpoint (in the checkpoint's parent
-directory, e.g. Megatron's ``--save`` directory), atomically: a temporary file in the same
-directory, fsync, ``os.replace``. A reader sees the old file or the new one, never a part.
+Every rank builds the same record from the verdict of :mod:`~mechmon_megatron.consensus`. An
+:class:`Alarm` names the fault class, onset and alarm steps, the evidence, the hash of the
+configuration, the last checkpoint saved before the onset, the exit code and an ``alarm_id``: 12
+hex digits of ``sha256(fault_class|alarm_step|config_hash)``, short enough to type. Rank 0 writes
+it as ``alarm.json`` beside the checkpoint (in the checkpoint's parent directory, e.g. Megatron's
+``--save`` directory), atomically: a temporary file in the same directory, fsync, ``os.replace``.
+A reader sees the old file or the new one, never a part.
 
 Operator workflow (no restart loop):
 
@@ -37,70 +28,28 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from mechmon_megatron import comm
 from mechmon_megatron.alarm_fields import check_record, valid_alarm_id
 from mechmon_megatron.atomic_write import atomic_write
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.jsonable import jsonable, utc_now
 
 __all__ = [
     "ALARM_FILENAME",
     "Alarm",
-    "Consensus",
     "alarm_id",
     "config_hash",
-    "consensus",
-    "jsonable",
     "read_alarm_json",
-    "share_diagnosis",
-    "utc_now",
     "write_alarm_json",
 ]
 
 ALARM_FILENAME = "alarm.json"
 """Name of the alarm file, written in the directory that holds the alarm checkpoint."""
-
-_NONE = -(2**62)
-
-
-def utc_now() -> str:
-    """Current UTC time as an ISO-8601 string with seconds precision."""
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def jsonable(obj: Any) -> Any:
-    """Convert ``obj`` to plain JSON types; non-finite floats become ``None``.
-
-    Dataclasses become dicts, tuples and sets become lists, tensors and numpy scalars become
-    numbers or lists; anything else becomes its ``str``.
-    """
-    if obj is None or isinstance(obj, (bool, str)):
-        return obj
-    if isinstance(obj, int):
-        return int(obj)
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, Mapping):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, set, frozenset)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return jsonable(obj.tolist())
-    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
-        return jsonable(obj.item())
-    return str(obj)
-
 
 def config_hash(config: Any) -> str:
     """:meth:`MechMonConfig.config_hash` of ``config`` (a config or its mapping): 16 hex digits,
@@ -185,80 +134,6 @@ class Alarm:
             f"last checkpoint before onset: {where}; acknowledge with "
             f"actions.acknowledge: {self.alarm_id}"
         )
-
-
-@dataclass(frozen=True)
-class Consensus:
-    """What every rank agreed on at one monitored step."""
-
-    alarm: bool
-    """True if any rank's detectors tripped."""
-    onset_step: int
-    """Earliest onset over tripped ranks (-1 when ``alarm`` is False)."""
-    alarm_step: int
-    """Earliest alarm step over tripped ranks (-1 when ``alarm`` is False)."""
-    source_rank: int
-    """Lowest global rank that tripped; it broadcasts its diagnosis (-1 when none)."""
-    payload: tuple[int, ...] = ()
-    """Element-wise MAX over ranks of the extra counters passed to :func:`consensus`."""
-
-
-def consensus(
-    tripped: bool,
-    onset_step: int,
-    alarm_step: int,
-    group: comm.Group = None,
-    payload: Sequence[int] = (),
-) -> Consensus:
-    """One MAX all-reduce over ``group`` of this rank's flag, steps and counters.
-
-    Every rank must call this on every monitored step with a ``payload`` of the same length;
-    a rank that did not trip passes ``tripped=False`` (its steps are ignored).
-
-    Args:
-        tripped: this rank's detectors produced a diagnosis at this step.
-        onset_step: estimated onset of this rank's diagnosis.
-        alarm_step: step of this rank's diagnosis.
-        group: ranks that must act together (default: world).
-        payload: extra non-negative or negated counters to MAX-reduce in the same call (the
-            orchestrator's coverage report rides here instead of taking a second collective).
-
-    Returns:
-        The agreed :class:`Consensus`, identical on every rank of ``group``.
-    """
-    me = comm.global_rank()
-    head = [1, -int(onset_step), -int(alarm_step), -me] if tripped else [0, _NONE, _NONE, _NONE]
-    packed = torch.tensor(head + [int(v) for v in payload], dtype=torch.int64)
-    out = comm.all_reduce_max(packed, group).tolist()
-    rest = tuple(out[4:])
-    if out[0] <= 0:
-        return Consensus(False, -1, -1, -1, rest)
-    return Consensus(True, -out[1], -out[2], -out[3], rest)
-
-
-def share_diagnosis(
-    diagnosis: Any, agreed: Consensus, group: comm.Group = None
-) -> dict[str, Any]:
-    """Give every rank the diagnosis of ``agreed.source_rank`` as a plain dict.
-
-    Collective on ``group``; call it on every rank, only when ``agreed.alarm`` is True (which is
-    the same on every rank). ``diagnosis`` may be ``None`` on ranks that did not trip.
-
-    Returns:
-        ``{"fault_class", "description", "families", "first_family", "evidence"}`` from the
-        source rank.
-    """
-    local = None
-    if diagnosis is not None:
-        local = {
-            "fault_class": str(getattr(diagnosis, "fault_class", "unknown")),
-            "description": str(getattr(diagnosis, "description", "")),
-            "families": jsonable(list(getattr(diagnosis, "families", []) or [])),
-            "first_family": getattr(diagnosis, "first_family", None),
-            "evidence": [e if isinstance(e, dict) else {"finding": e}
-                         for e in jsonable(list(getattr(diagnosis, "evidence", []) or []))],
-        }
-    return comm.broadcast_object(local, src=agreed.source_rank, group=group)
 
 
 def write_alarm_json(alarm: Alarm, directory: str | os.PathLike[str]) -> Path:

@@ -33,12 +33,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.alarm_latch import latch_alarm_file
 from mechmon_megatron.atomic_write import atomic_write
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect.schedule import resolve_schedule
 from mechmon_megatron.detect.thresholds import threshold_table
+from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.sinks import Sink
 from mechmon_megatron.verdict import Verdict
 

@@ -16,8 +16,8 @@ every rank; a monitor that is not due returns nothing and does no work, and an u
 makes no collective and no host sync. On a
 monitored step every rank makes exactly these collectives, whatever it observed: the due
 monitors' own (their local phases cannot fail past them: ``comm`` rule 5), one SUM all-reduce
-(:func:`signals.reduce_signals`), one MAX all-reduce (:func:`alarm.consensus`, which also carries
-the coverage counters) and, only when the consensus says alarm (then on every rank), one
+(:func:`signals.reduce_signals`), one MAX all-reduce (:func:`consensus.consensus`, which also
+carries the coverage counters) and, only when the consensus says alarm (then on every rank), one
 broadcast of the diagnosis plus the action's barriers. Monitors catch and count what fails in
 their local phases (the affected signals are NaN on every rank). An exception that still escapes
 a monitor came from between its collectives (a collective that failed, or a framework read that
@@ -48,15 +48,9 @@ from typing import Any
 
 from mechmon_megatron import comm
 from mechmon_megatron.actions import FrameworkActions, ProcessExit, raise_alarm
-from mechmon_megatron.alarm import (
-    Alarm,
-    Consensus,
-    alarm_id,
-    config_hash,
-    consensus,
-    jsonable,
-    share_diagnosis,
-)
+from mechmon_megatron.alarm import Alarm, alarm_id, config_hash
+from mechmon_megatron.consensus import Consensus, consensus, share_diagnosis
+from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.monitor_coverage import CoverageMixin, check_same_on_every_rank
 from mechmon_megatron.monitor_state import StateMixin
 from mechmon_megatron.signals import family_of, reduce_signals

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm import Consensus
+from mechmon_megatron.consensus import Consensus
 from mechmon_megatron.monitors.base import COVERAGE_KEYS
 from mechmon_megatron.verdict import MonitorError
 

@@ -17,7 +17,9 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.actions import raise_alarm
-from mechmon_megatron.alarm import ALARM_FILENAME, Alarm, consensus, utc_now
+from mechmon_megatron.alarm import ALARM_FILENAME, Alarm
+from mechmon_megatron.consensus import consensus
+from mechmon_megatron.jsonable import utc_now
 from mechmon_megatron.plain_state import StateFileError
 from mechmon_megatron.verdict import Verdict
 

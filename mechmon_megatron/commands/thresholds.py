@@ -99,7 +99,7 @@ def shape_thresholds(config: MechMonConfig, layers: int, heads: int, kv_groups: 
 def render_table(table: dict[str, Any], as_json: bool = False) -> str:
     """The table as aligned text (one line per family and rule) or JSON."""
     if as_json:
-        from mechmon_megatron.alarm import jsonable
+        from mechmon_megatron.jsonable import jsonable
 
         return json.dumps(jsonable(table), indent=2, sort_keys=True) + "\n"
     shape = table["shape"]

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.config import MechMonConfig, load_config
+from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.scan.discover import (
     CheckpointRef,
     checkpoint_args,

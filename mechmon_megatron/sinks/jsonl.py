@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import IO
 
-from mechmon_megatron.alarm import jsonable
+from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.sinks.base import Sink, StepRecord
 
 __all__ = ["JsonlSink"]

@@ -18,11 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.config import MechMonConfig, load_config, overlay, require
 from mechmon_megatron.config.fields import show
 from mechmon_megatron.config.source import read_source
 from mechmon_megatron.faults.config import FaultConfig
+from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.train.data import DataConfig
 from mechmon_megatron.train.model import ModelSpec, ParallelSpec
 

@@ -46,8 +46,8 @@ from typing import IO, Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.alarm import jsonable
 from mechmon_megatron.atomic_write import atomic_write
+from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.train.data import TextData
 from mechmon_megatron.train.state import CheckpointState
 from mechmon_megatron.train.train_config import TrainConfig, load_train_config, lr_factor

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mechmon_megatron.alarm import ALARM_FILENAME, consensus, read_alarm_json, share_diagnosis
+from mechmon_megatron.alarm import ALARM_FILENAME, read_alarm_json
+from mechmon_megatron.consensus import consensus, share_diagnosis
 from mechmon_megatron.monitor import GLOBAL_SIGNALS, MechMon
 from tests._dist import run_distributed
 from tests.unit.test_monitor_state import (

@@ -27,7 +27,7 @@ import types
 
 import pytest
 
-from mechmon_megatron.alarm import jsonable
+from mechmon_megatron.jsonable import jsonable
 from tests._bridge import callbacks_file
 from tests._dist import run_distributed
 

@@ -21,12 +21,12 @@ from mechmon_megatron.alarm import (
     Alarm,
     alarm_id,
     config_hash,
-    consensus,
-    jsonable,
     read_alarm_json,
     write_alarm_json,
 )
 from mechmon_megatron.config import MechMonConfig
+from mechmon_megatron.consensus import consensus
+from mechmon_megatron.jsonable import jsonable
 
 
 def make_alarm(**overrides) -> Alarm:

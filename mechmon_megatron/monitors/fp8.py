@@ -138,7 +138,7 @@ class FP8Monitor:
         self._observed = observed
         if not rows:
             return {}
-        values = torch.stack(rows).double().cpu().tolist()  # the one host copy
+        values = torch.stack(rows).double().tolist()  # the one host copy
         out: dict[str, float] = {}
         for key, (amax, scale, headroom) in zip(keys, values, strict=True):
             amax_log2 = math.log2(amax) if amax > 0 and math.isfinite(amax) else math.nan

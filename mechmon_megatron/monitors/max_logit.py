@@ -162,7 +162,7 @@ class MaxLogitMonitor:
         self._observed, self._skipped = len(layers), self.found - len(layers)
         if not layers:
             return {}
-        flat = torch.cat([self.logits[layer] for layer in layers]).double().cpu().tolist()
+        flat = torch.cat([self.logits[layer] for layer in layers]).double().tolist()
         out: dict[str, float] = {}
         i = 0
         for layer in layers:

@@ -1,7 +1,8 @@
 """Counters: what mechmon does on unmonitored and on monitored steps.
 
-Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT (MoE, 4 experts) with
-the QK, router, optim (with the sharpness probe) and (global) loss monitors. During every
+Two gloo ranks (DP=2) train the reference trainer's megatron-core GPT (MoE, 4 experts, the bf16
+attention emulation) with the QK, max-logit, router, optim (with the sharpness probe) and
+(global) loss monitors. During every
 ``MechMon.begin_step`` / ``end_step`` the test counts calls into ``comm`` and
 ``torch.distributed`` (collectives) and tensor-to-host conversions (``item``, ``tolist``,
 ``cpu``, ``float``/``int``/``bool`` of a tensor, ``numpy``; on CPU every conversion counts, so
@@ -86,7 +87,7 @@ def _worker(rank: int, world_size: int, out_dir: str) -> dict:
 
     def attach_monitors(self, monitors, *args, **kwargs):
         for m in monitors:
-            m.end_step = watched(m.family, m.end_step)
+            m.end_step = watched(type(m).__name__, m.end_step)
         return attach(self, monitors, *args, **kwargs)
 
     def model_pass(fn):  # the probe's forward and backward: the model's own host reads
@@ -104,7 +105,7 @@ def _worker(rank: int, world_size: int, out_dir: str) -> dict:
     mm.MechMon.begin_step, mm.MechMon.end_step = begin_step, end_step
     mm.MechMon.attach = attach_monitors
     trainer.run({
-        "out_dir": out_dir, "steps": STEPS, "log_interval": 0,
+        "out_dir": out_dir, "steps": STEPS, "log_interval": 0, "attention": "bf16_flash",
         "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
                   "seq_length": 16, "num_moe_experts": 4},
         "optim": {"warmup_steps": 0, "schedule": "constant"},
@@ -138,12 +139,15 @@ def test_monitored_steps_make_a_bounded_number_of_transfers_per_monitor(counts):
         # The optim monitor's update ratios over the step (``window: step``): one transfer; on
         # a sharpness step (8) the probe's readiness vote and one transfer of its estimate
         # (four products, every inner product and the Ritz step kept on the device).
-        assert [rank["host"].get(f"{s}:monitor:optim", 0) for s in steps] == [1, 3, 1]
+        assert [rank["host"].get(f"{s}:monitor:OptimMonitor", 0) for s in steps] == [1, 3, 1]
         # The router: its reduced routing sums and maxima and the router-weight table of the
         # layer this DP rank computes, one transfer.
-        assert [rank["host"].get(f"{s}:monitor:router", 0) for s in steps] == [1, 1, 1]
+        assert [rank["host"].get(f"{s}:monitor:RouterMonitor", 0) for s in steps] == [1, 1, 1]
         # QK: each rank computes one of the two layers (DP split); the first step only
         # snapshots. Every value of the layer (void flag, per-head table, form signals, sketch
         # agreement, spectra, tail scalars and failure votes) stays on the device until one
         # transfer.
-        assert [rank["host"].get(f"{s}:monitor:attn", 0) for s in steps] == [1, 1, 1]
+        assert [rank["host"].get(f"{s}:monitor:QKUpdateMonitor", 0) for s in steps] == [1, 1, 1]
+        # Max logits (the attention emulation keeps them): the step's per-head maxima, read
+        # by forward hooks on the device, one transfer.
+        assert [rank["host"].get(f"{s}:monitor:MaxLogitMonitor", 0) for s in steps] == [1, 1, 1]

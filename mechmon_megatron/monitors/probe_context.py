@@ -1,8 +1,9 @@
 """What the sharpness probe's evaluations run under: isolated from training, and with the
 routing of a mixture of experts held fixed across the evaluations of one estimate.
 
-:func:`isolated`: eval mode, the probe's own RNG, buffers restored, so a probe forward leaves
-no trace on training (the integrations wrap their ``loss`` in it).
+:func:`isolated`: eval mode, the probe's own RNG, buffers and the core attentions' max logits
+restored, so a probe forward leaves no trace on training (the integrations wrap their ``loss``
+in it).
 
 A mixture-of-experts loss is piecewise smooth: each token's top-k choice of experts is a
 discrete decision, and the loss jumps where a choice flips. The probe's central difference
@@ -52,11 +53,17 @@ def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Ite
     """Eval mode, own RNG, buffers restored: the probe's forward leaves no trace on training.
 
     Saves and restores every module's ``training`` flag, the CPU and CUDA RNG, each tracker's
-    states and every buffer (e.g. a router's token counts for expert-bias updates). Module
-    methods are called unbound: megatron's DDP wrapper shadows ``buffers`` with its grad buffers.
+    states, every buffer (e.g. a router's token counts for expert-bias updates) and every
+    ``current_max_attn_logits`` (a plain attribute: the per-head max logits TE's core attention
+    keeps for megatron's QK-clip, which the probe's forwards at ``W +- h u`` would otherwise
+    raise, so that the next clip acted on them). Module methods are called unbound: megatron's
+    DDP wrapper shadows ``buffers`` with its grad buffers.
     """
-    modes = [(m, m.training) for m in torch.nn.Module.modules(model)]
+    modules = list(torch.nn.Module.modules(model))
+    modes = [(m, m.training) for m in modules]
     buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
+    logits = [(m, m.current_max_attn_logits) for m in modules
+              if hasattr(m, "current_max_attn_logits")]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     saved = [get() for get, _ in trackers]
@@ -66,6 +73,8 @@ def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Ite
     finally:
         for m, mode in modes:
             m.training = mode
+        for m, held in logits:  # the forwards replace the tensor (never write into it)
+            m.current_max_attn_logits = held
         with torch.no_grad():
             for b, copy in buffers:
                 b.copy_(copy)

@@ -186,3 +186,31 @@ def test_a_healthy_run_with_qk_clip_reports_its_clips_stays_silent_and_trains_un
     rows = [json.loads(line)["signals"] for line in (tmp_path / "on" / "metrics.jsonl").open()]
     clipped = sum(r["attn/qk_clip/heads/layer_1"] + r["attn/qk_clip/heads/layer_2"] for r in rows)
     assert clipped > 0
+
+
+def test_the_sharpness_probe_leaves_the_max_logits_qk_clip_acts_on_unchanged(tmp_path):
+    """The probe's forwards at W +- h u run after clip_qk reset the max logits; they would set
+    them, and the next step's clip would act on the probe's logits."""
+    import json
+
+    from mechmon_megatron.train.trainer import run
+
+    def cfg(out: str, mechmon: bool) -> dict:
+        return {"steps": 60, "out_dir": str(tmp_path / out), "log_interval": 0,
+                "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                          "seq_length": 32, **MLA, "q_lora_rank": 16, "kv_lora_rank": 16,
+                          "qk_head_dim": 8, "qk_pos_emb_head_dim": 4, "v_head_dim": 8,
+                          "extra": {"qk_clip": True, "qk_clip_threshold": 0.05}},
+                "optim": {"lr": 5e-3, "warmup_steps": 10, "weight_decay": 0.1},
+                "data": {"global_batch_size": 4},
+                "mechmon": {"enabled": mechmon, "qk": {"interval": 5},
+                            "optim": {"interval": 5, "sharpness": {"interval": 5}},
+                            "actions": {"on_alarm": "log"},
+                            "sinks": {"console": {"enabled": False}}}}
+
+    run(cfg("on", True)), run(cfg("off", False))
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / d / "train.jsonl").open()]
+              for d in ("on", "off")]
+    assert losses[0] == losses[1]
+    rows = [json.loads(line)["signals"] for line in (tmp_path / "on" / "metrics.jsonl").open()]
+    assert any(r.get("optim/sharpness/eos_ratio") is not None for r in rows)  # it probed

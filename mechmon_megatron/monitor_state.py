@@ -28,6 +28,26 @@ __all__ = ["StateMixin"]
 logger = logging.getLogger("mechmon_megatron.monitor")
 
 
+def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str, Any] | None:
+    """``state`` with its per-monitor list matched to ``monitors`` across stateless monitors.
+
+    Monitor states are saved in attach order. A monitor that keeps nothing between steps
+    (``stateless``: the router and max-logit monitors) saves ``{}`` and may come or go between
+    a save and a resume (a newer version adds one, ``--qk-clip`` turned on at the resume makes
+    TE keep max logits): the stateful states are matched in order and every stateless monitor
+    gets ``{}``. Where the stateful counts differ the state is returned as is (the load refuses
+    it, naming both counts).
+    """
+    if state is None or "monitors" not in state or len(state["monitors"]) == len(monitors):
+        return state
+    kept = iter([m for m in state["monitors"] if m != {}])
+    stateful = [m for m in monitors if not getattr(m, "stateless", False)]
+    if len(stateful) != len([m for m in state["monitors"] if m != {}]):
+        return state
+    return dict(state, monitors=[{} if getattr(m, "stateless", False) else next(kept)
+                                 for m in monitors])
+
+
 class StateMixin:
     """State and resume methods of :class:`~mechmon_megatron.monitor.MechMon`."""
 
@@ -174,6 +194,7 @@ class StateMixin:
                 :meth:`load_state_if_all`).
         """
         templates: dict[str, Any] = {}
+        common = aligned(common, self.monitors)
         ok, needs = common is not None, False
         try:
             needs = ok and any(m.get("sharded") for m in common["monitors"])
@@ -223,6 +244,7 @@ class StateMixin:
         """
         if "void" in sd:
             raise ValueError(f"mechmon state was not saved completely ({sd['void']})")
+        sd = aligned(sd, self.monitors)
         if self.detectors is None:
             self._pending_state = dict(sd)
             return
@@ -267,6 +289,7 @@ class StateMixin:
                 ``actions.fresh_state`` is off (the message names ``source`` and the reason).
         """
         fresh = self.state_dict()
+        state = aligned(state, self.monitors)
         ok = state is not None
         if ok:
             try:

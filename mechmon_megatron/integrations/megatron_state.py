@@ -35,6 +35,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import Restore
 from mechmon_megatron.atomic_write import atomic_write
+from mechmon_megatron.monitor_state import aligned
 from mechmon_megatron.plain_state import StateFileError, load_state_file, plain_state
 
 __all__ = ["SHARD_DIR", "current_layout", "load_state", "restore_iteration", "row_sharded",
@@ -178,7 +179,9 @@ def load_state(mon: Any, directory: str) -> tuple[bool, str | None]:
 
 
 def _checked(mon: Any, common: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``common`` unless it was saved with another number of monitors (then None: afresh)."""
+    """``common`` (matched across stateless monitors, :func:`~mechmon_megatron.monitor_state.
+    aligned`) unless it was saved with another number of monitors (then None: afresh)."""
+    common = aligned(common, mon.monitors)
     if common is not None and len(common["monitors"]) != len(mon.monitors):
         warnings.warn("mechmon: saved state has a different set of monitors; not restored",
                       RuntimeWarning, stacklevel=3)

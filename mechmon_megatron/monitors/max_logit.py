@@ -80,6 +80,8 @@ class MaxLogitMonitor:
     """
 
     family = "attn"
+    stateless = True
+    """Keeps nothing between steps (its saved state is ``{}``)."""
 
     def __init__(self, interval: int, cores: Sequence[tuple[int, Any]],
                  heads: Mapping[int, int], head_offset: int = 0) -> None:

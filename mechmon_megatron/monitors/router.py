@@ -88,6 +88,8 @@ class RouterMonitor:
     """
 
     family = "router"
+    stateless = True
+    """Keeps nothing between steps (its saved state is ``{}``)."""
 
     def __init__(
         self,

@@ -338,3 +338,29 @@ def test_a_save_failing_in_a_monitor_gives_a_void_state_that_every_load_refuses(
     fresh.config.actions.fresh_state = True  # asked for: every rank starts afresh
     assert not fresh.load_state_if_all(saved)  # the state fresh had is kept
     assert fresh.monitored_steps == 0
+
+
+def test_a_stateless_monitor_added_or_dropped_between_save_and_resume_keeps_the_state(tmp_path):
+    """A max-logit monitor (stateless) comes with a newer version or ``--qk-clip`` turned on at
+    the resume: the stateful states still match in order; a stateful count change is refused."""
+    from mechmon_megatron.monitors.max_logit import MaxLogitMonitor
+
+    def logits():
+        return MaxLogitMonitor(2, [], {1: 4})
+
+    cfg = make_config(tmp_path)
+    old = MechMon(cfg).attach([SyntheticMonitor(seed=3)], sinks=[])
+    run(old, range(1, 21))
+    saved = old.state_dict()
+    for monitors in ([logits(), SyntheticMonitor()], [SyntheticMonitor(), logits()]):
+        new = MechMon(make_config(tmp_path)).attach(monitors, sinks=[])
+        new.load_state_dict(saved)
+        restored = next(m for m in monitors if isinstance(m, SyntheticMonitor))
+        assert restored.observed == 10 and new.last_step == 20
+    with_logits = MechMon(make_config(tmp_path)).attach([SyntheticMonitor(), logits()], sinks=[])
+    back = MechMon(make_config(tmp_path)).attach([SyntheticMonitor()], sinks=[])
+    back.load_state_dict(with_logits.state_dict())  # the monitor dropped again
+    two = MechMon(make_config(tmp_path)).attach([SyntheticMonitor(), SyntheticMonitor()],
+                                                  sinks=[])
+    with pytest.raises(ValueError, match="mechmon state has 1 monitors, 2 attached"):
+        two.load_state_dict(saved)

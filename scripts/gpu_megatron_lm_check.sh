@@ -15,8 +15,8 @@
 # MODE=fp8 instead runs the Transformer Engine spec in FP8 (--fp8-format hybrid, delayed scaling,
 # FP8 dot-product attention, --log-max-attention-logit; TE >= 2.9) for TRAIN_ITERS iterations
 # with on_alarm: log, and checks that the fp8 family's signals appear in metrics.jsonl: per TE
-# module amax / scale / headroom, per-head max attention logits, and (MoE with TE grouped GEMM,
-# FP8_MOE_ARGS) the router signals. Expected: exit code 0, "ok: fp8 signals ...", PASS.
+# module amax / scale / headroom, the attention family's per-head max logits, and (MoE with TE
+# grouped GEMM, FP8_MOE_ARGS) the router signals. Expected: exit code 0, "ok: fp8 signals ...", PASS.
 #
 # Environment overrides (defaults in brackets):
 #   MEGATRON_LM_PATH  Megatron-LM checkout (required)
@@ -130,7 +130,7 @@ if missing:
     print("missing:", missing)
     sys.exit(1)
 PY
-  echo "ok: fp8 signals (amax, scale, headroom, per-head max logits) in $METRICS"
+  echo "ok: fp8 signals (amax, scale, headroom) and per-head max logits in $METRICS"
   echo "PASS"
   exit 0
 fi

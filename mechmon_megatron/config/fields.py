@@ -28,6 +28,10 @@ for _name, _limit in (("maxlevel", 3), ("maxdict", 4), ("maxlist", 6), ("maxtupl
     setattr(_REPR, _name, _limit)
 
 
+
+MOVED = {"mechmon.fp8.attn_logits": "mechmon.qk.max_logit (the max logits are attention signals)"}
+"""Keys a release moved: the error names the new place instead of a close match."""
+
 def show(value: Any) -> str:
     """``repr(value)`` cut to at most :data:`MAX_SHOWN` characters (nested containers, long
     strings and huge integers abridged with ``...``), so that no message grows with its input:
@@ -172,7 +176,9 @@ def overlay(base: Any, data: Any, path: str) -> Any:
             name = _key_text(key)
             close = difflib.get_close_matches(name, list(fields), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"known keys: {', '.join(fields)}"
-            raise ValueError(f"{path}.{name}: unknown key; {hint}")
+            moved = MOVED.get(f"{path}.{name}")
+            raise ValueError(f"{path}.{name}: unknown key; "
+                             f"{f'it moved to {moved}' if moved else hint}")
         changes[f.name] = _convert(hints[f.name], value, getattr(base, f.name), f"{path}.{key}")
     try:
         return dataclasses.replace(base, **changes)

@@ -71,7 +71,8 @@ class QKConfig:
     max_logit: bool = True
     """Each head's max pre-softmax attention logit, where the core attention keeps it
     (``current_max_attn_logits``: megatron's ``--log-max-attention-logit`` or ``--qk-clip``,
-    TE >= 2.9; the reference trainer's attention emulations), as ``attn/max_logit/...``."""
+    TE >= 2.9; the reference trainer's attention emulations), as ``attn/max_logit/...``: on
+    ``interval`` and ``layers`` (always per head, from the first monitored step)."""
     layer_sketch: SketchConfig = field(default_factory=SketchConfig)
     """Layer-level randomized sketch over all heads."""
 

@@ -46,12 +46,14 @@ def _cores(model_chunks: list[torch.nn.Module]) -> list[tuple[int, Any, int]]:
 
 
 def max_logit_monitor(config: Any, model_chunks: list[torch.nn.Module]) -> MaxLogitMonitor | None:
-    """The max-logit monitor at ``config.qk.interval``, or None when ``qk.max_logit`` is off or no
-    layer keeps max logits (collective: one all-gather, on every rank whatever it holds).
+    """The max-logit monitor at ``config.qk.interval`` over the layers of ``config.qk.layers``,
+    or None when no such layer keeps max logits (collective: one all-gather, on every rank
+    whatever it holds).
 
     A model with Transformer Engine attention but no max logits gets one warning naming the flag.
     """
-    cores = _cores(model_chunks)
+    wanted = config.qk.layers
+    cores = [c for c in _cores(model_chunks) if wanted == "all" or c[0] in wanted]
     heads = comm.all_gather_union({layer: n for layer, _, n in cores})
     if not heads:
         te = any(type(m).__name__ == "TEDotProductAttention"

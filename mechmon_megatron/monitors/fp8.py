@@ -14,7 +14,7 @@ megatron), so every rank emits the same amax for a module. The per-head max atte
 are attention signals (monitors/max_logit.py).
 
 Emitted keys (``M`` = module path in the layer + ``.fwd`` / ``.bwd``, e.g.
-``self_attention.linear_qkv.fwd``; ``L`` global layer; ``H`` global query head):
+``self_attention.linear_qkv.fwd``; ``L`` global layer):
 
 | key | value |
 | --- | --- |

@@ -22,7 +22,9 @@ own trailing window (config/detectors.py), so a healthy slow growth never accumu
 Emitted keys (``L`` global layer, ``H`` global query head)::
 
     attn/max_logit/max/layer_L/head_H    m_H of this rank's micro-batches (the table averages
-                                          it over the data-parallel replicas holding the head)
+                                          it over the data-parallel replicas holding the head:
+                                          a mean of per-replica maxima; under context
+                                          parallelism of per-chunk maxima, below the max)
     attn/max_logit/max/layer_L           max over the layer's heads (derived from the table)
 
 Coverage: ``found`` core attentions on this rank, ``observed`` those that handed logits on the
@@ -171,7 +173,7 @@ class MaxLogitMonitor:
             n = self.logits[layer].numel()
             for h in range(n):
                 head = self.head_offset + h
-                if head < self.heads.get(layer, 0) and not math.isnan(flat[i + h]):
+                if head < self.heads.get(layer, 0):  # NaN too: observed, not finite
                     out[f"{PREFIX}/layer_{layer}/head_{head}"] = flat[i + h]
             i += n
         return out

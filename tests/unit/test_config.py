@@ -199,3 +199,9 @@ def test_cli_defaults_prints_loadable_commented_yaml(tmp_path, capsys):
     assert "# Monitor every this many steps" in out
     (tmp_path / "moe.yaml").write_text(out)
     assert load_config(tmp_path / "moe.yaml") == load_config(preset="moe")
+
+
+def test_a_key_a_release_moved_names_its_new_place():
+    with pytest.raises(ValueError, match=r"^mechmon\.fp8\.attn_logits: unknown key; it moved to "
+                                         r"mechmon\.qk\.max_logit"):
+        load_config({"fp8": {"attn_logits": True}})

@@ -81,6 +81,11 @@ def test_the_builder_reads_layers_that_keep_max_logits_and_warns_on_te_without_t
     mon = max_logit_monitor(config, [model])
     assert mon is not None and mon.heads == {1: 8, 2: 8} and mon.interval == config.qk.interval
     mon.close()
+    from mechmon_megatron.config import load_config
+
+    only = max_logit_monitor(load_config({"qk": {"layers": [2], "interval": 7}}), [model])
+    assert only.heads == {2: 8} and only.interval == 7 and only.found == 1
+    only.close()
     for layer in model.decoder:  # TE without --log-max-attention-logit keeps no attribute
         del layer.self_attention.core_attention.current_max_attn_logits
     with pytest.warns(RuntimeWarning, match="qk.max_logit needs megatron's "
@@ -124,3 +129,18 @@ def test_a_healthy_slow_growth_is_silent_and_a_runaway_layer_is_named_attention(
     assert diagnosis.fault_class == "attention"
     assert diagnosis.evidence[0]["signal"] == "attn/max_logit/max/layer_2"
     assert min(f.step for f in bank.alarming) <= 100 * 164
+
+
+def test_a_non_finite_head_is_emitted_so_the_table_counts_it_observed_not_finite():
+    from mechmon_megatron.signals import reduce_signals
+
+    model = _model(layers=(1,))
+    core = _core(model, 0)
+    mon = MaxLogitMonitor(1, [(1, core)], {1: 4})
+    mon.begin_step(1)
+    core(torch.tensor([1.0, math.nan, math.inf, 2.0]))
+    out = mon.end_step(1)
+    assert math.isnan(out["attn/max_logit/max/layer_1/head_1"])
+    table = reduce_signals(out, mon.signal_names())
+    assert table["attn/max_logit/max/layer_1/head_1"] == math.inf
+    assert table["attn/max_logit/max/layer_1/head_2"] == math.inf

@@ -321,6 +321,7 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         """Snapshots from the filled :meth:`sharded_template` (after :meth:`load_state_dict`)."""
         owned = [s for s in self.sources if self.owns(s.layer)]
         self.snapshots = restore_snapshots(meta, loaded, owned)
+        self._forget_clipped(lambda layer: bool(meta.get(layer, {}).get("rebuild")))
         missing = sorted(s.layer for s in owned
                          if s.layer in meta and s.layer not in self.snapshots
                          and not meta[s.layer].get("rebuild"))
@@ -344,12 +345,27 @@ class QKUpdateMonitor(QKBatch, QKObserve):
                 dropped.append(layer)
                 continue
             self.snapshots[layer] = dict(snap)
+        self._forget_clipped(lambda layer: bool(self.snapshots[layer].get("rebuild")))
         if dropped:
             self._warn_once("resnap", f"layers {dropped}: saved snapshots hold other heads than "
                             "this rank now (another TP layout); they are re-snapshotted at the "
                             "next monitored step (one window without QK signals)")
 
     # -- internals -------------------------------------------------------------------------
+
+    def _forget_clipped(self, rebuilt: Callable[[int], bool]) -> None:
+        """Drop the restored snapshots of QK-clipped layers older than the checkpoint: the
+        scales clipped between such a snapshot and the save are not in the state, and a window
+        that kept the rescale would read as a coherent update. A snapshot of the checkpoint's
+        own step (``rebuilt``) has none pending."""
+        stale = sorted({s.layer for s in self.sources if s.clip is not None}
+                       & {layer for layer in self.snapshots if not rebuilt(layer)})
+        for layer in stale:
+            del self.snapshots[layer]
+        if stale:
+            self._warn_once("clip:resume", f"layers {stale}: QK-clip may have rescaled them "
+                            "after their snapshot, before the checkpoint; re-snapshotted at the "
+                            "next monitored step (one window without QK signals)")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

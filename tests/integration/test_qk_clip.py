@@ -214,3 +214,37 @@ def test_the_sharpness_probe_leaves_the_max_logits_qk_clip_acts_on_unchanged(tmp
     assert losses[0] == losses[1]
     rows = [json.loads(line)["signals"] for line in (tmp_path / "on" / "metrics.jsonl").open()]
     assert any(r.get("optim/sharpness/eos_ratio") is not None for r in rows)  # it probed
+
+
+def _resumed_snapshots(rank: int, world_size: int) -> dict:
+    """Snapshots a resume keeps for a QK-clipped model: a checkpoint after the snapshot's step
+    (clips in between are not in the state) or at it (``rebuild``: nothing pending)."""
+    from mechmon_megatron.config import load_config
+    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
+
+    init_parallel(ParallelSpec())
+    model = build_gpt(ModelSpec(num_layers=2, hidden_size=64, num_attention_heads=HEADS,
+                                num_query_groups=GROUPS, seq_length=32,
+                                extra={"qk_clip": True, "qk_clip_threshold": TAU}),
+                      ParallelSpec())
+    config = load_config({"qk": {"interval": 2}, "router": {"enabled": False},
+                          "optim": {"enabled": False}, "actions": {"on_alarm": "log"},
+                          "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}})
+    mon = attach(config, [model])
+    mon.begin_step(2)
+    mon.end_step(2)
+    qk = next(m for m in mon.monitors if type(m).__name__ == "QKUpdateMonitor")
+    out = {}
+    for label, at in (("later", 3), ("same", 2)):
+        qk.load_state_dict(qk.full_state_dict(rebuild_at=at))
+        out[label] = sorted(qk.snapshots)
+        qk.snapshots = {}
+        mon.begin_step(2)
+        mon.end_step(2)
+    return out
+
+
+def test_a_resume_drops_clipped_snapshots_older_than_the_checkpoint():
+    out = run_distributed(_resumed_snapshots, 1, timeout=300)[0]
+    assert out == {"later": [], "same": [1, 2]}

@@ -17,9 +17,10 @@ training (``MechMon``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Monitor", "COVERAGE_KEYS"]
+__all__ = ["Monitor", "COVERAGE_KEYS", "Stateless", "armed_step"]
 
 COVERAGE_KEYS = ("found", "observed", "skipped", "errors", "memory_bytes")
 """Keys of :meth:`Monitor.coverage` (a monitor may omit one: it counts as 0). ``memory_bytes``:
@@ -63,3 +64,34 @@ class Monitor(Protocol):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output."""
         ...
+
+
+class Stateless:
+    """Defaults of a monitor that keeps nothing between steps and holds hooks (``_detach``):
+    its saved state is ``{}``, which a resume matches whether or not the monitor was attached
+    when the state was saved (:func:`mechmon_megatron.monitor_state.aligned`)."""
+
+    stateless = True
+    _detach: list[Callable[[], None]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing is kept between steps."""
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Nothing to restore."""
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for detach in self._detach:
+            detach()
+        self._detach = []
+
+
+def armed_step(monitor: Any, step: int) -> bool:
+    """Whether ``begin_step`` armed ``monitor`` for this monitored ``step``; disarms it (a
+    monitor whose hooks read during the step's forwards: ``armed`` and ``interval``)."""
+    armed = bool(monitor.armed) and step % monitor.interval == 0
+    monitor.armed = False
+    return armed
+

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron.layouts.te_fp8 import FP8Module, read_fp8_state
+from mechmon_megatron.monitors.base import armed_step
 
 __all__ = ["FP8Monitor", "fp8_signal_names", "STATS"]
 
@@ -95,10 +96,8 @@ class FP8Monitor:
 
     def end_step(self, step: int) -> dict[str, float]:
         """This rank's signals of a monitored step (no collective)."""
-        if not self.armed or step % self.interval != 0:
-            self.armed = False
+        if not armed_step(self, step):
             return {}
-        self.armed = False
         try:
             return self._scale_signals()
         except Exception as exc:  # noqa: BLE001

@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from mechmon_megatron.monitors.base import Stateless, armed_step
+
 __all__ = ["MaxLogitMonitor", "max_logit_names", "attach_logit_hook", "PREFIX"]
 
 PREFIX = "attn/max_logit/max"
@@ -70,7 +72,7 @@ def attach_logit_hook(core_attention: Any,
     return core_attention.register_forward_hook(hook).remove
 
 
-class MaxLogitMonitor:
+class MaxLogitMonitor(Stateless):
     """Per-head max attention logits of the monitored steps (module docstring).
 
     Args:
@@ -82,8 +84,6 @@ class MaxLogitMonitor:
     """
 
     family = "attn"
-    stateless = True
-    """Keeps nothing between steps (its saved state is ``{}``)."""
 
     def __init__(self, interval: int, cores: Sequence[tuple[int, Any]],
                  heads: Mapping[int, int], head_offset: int = 0) -> None:
@@ -108,10 +108,8 @@ class MaxLogitMonitor:
 
     def end_step(self, step: int) -> dict[str, float]:
         """This rank's per-head maxima of a monitored step: one host copy, no collective."""
-        if not self.armed or step % self.interval != 0:
-            self.armed = False
+        if not armed_step(self, step):
             return {}
-        self.armed = False
         try:
             return self._signals()
         except Exception as exc:  # noqa: BLE001 - never raise inside a training step
@@ -139,19 +137,6 @@ class MaxLogitMonitor:
         """``found`` / ``observed`` / ``skipped`` (last monitored step) and ``errors``."""
         return {"found": self.found, "observed": self._observed, "skipped": self._skipped,
                 "errors": self._errors}
-
-    def state_dict(self) -> dict[str, Any]:
-        """Nothing is kept between monitored steps."""
-        return {}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Nothing to restore."""
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        for detach in self._detach:
-            detach()
-        self._detach = []
 
     def _sink(self, layer: int) -> Callable[[torch.Tensor], None]:
         def sink(logits: torch.Tensor) -> None:

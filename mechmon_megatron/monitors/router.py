@@ -33,6 +33,7 @@ from mechmon_megatron.math.routing import (
     num_slots,
     routing_stats,
 )
+from mechmon_megatron.monitors.base import Stateless
 from mechmon_megatron.monitors.router_capture import (
     BIAS_STAT,
     RouterSource,
@@ -43,7 +44,7 @@ from mechmon_megatron.monitors.router_capture import (
 
 __all__ = ["RouterMonitor"]
 
-class RouterMonitor:
+class RouterMonitor(Stateless):
     """Routing statistics of every MoE layer, reduced over the ranks that routed tokens.
 
     Args:
@@ -88,8 +89,6 @@ class RouterMonitor:
     """
 
     family = "router"
-    stateless = True
-    """Keeps nothing between steps (its saved state is ``{}``)."""
 
     def __init__(
         self,
@@ -198,19 +197,6 @@ class RouterMonitor:
             "skipped": self._skipped,
             "errors": self._errors,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        """The monitor keeps no state across steps."""
-        return {}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Nothing to restore (see :meth:`state_dict`)."""
-
-    def close(self) -> None:
-        """Remove the capture wrappers from the routers."""
-        for detach in self._detach:
-            detach()
-        self._detach = []
 
     def _pack(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's sums of every layer in source order and ``[L, 2]`` (log-sum-exp max, void

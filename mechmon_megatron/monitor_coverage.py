@@ -41,9 +41,10 @@ class CoverageMixin:
         return out
 
     def _family_key(self, index: int) -> str:
-        family = self.monitors[index].family
-        same = [m for m in self.monitors if m.family == family]
-        return family if len(same) == 1 else f"{family}_{index}"
+        """A monitor's coverage key: its ``coverage_key`` where it names one (``attn_rope``,
+        ``attn_max_logit``), else its family; ``_<index>`` where two would share a key."""
+        keys = [getattr(m, "coverage_key", m.family) for m in self.monitors]
+        return keys[index] if keys.count(keys[index]) == 1 else f"{keys[index]}_{index}"
 
     def _coverage_payload(self) -> list[int]:
         payload: list[int] = []

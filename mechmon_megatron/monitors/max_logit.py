@@ -84,6 +84,7 @@ class MaxLogitMonitor(Stateless):
     """
 
     family = "attn"
+    coverage_key = "attn_max_logit"
 
     def __init__(self, interval: int, cores: Sequence[tuple[int, Any]],
                  heads: Mapping[int, int], head_offset: int = 0) -> None:

@@ -121,6 +121,7 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         tag: str = "", batched: bool = True, clipped: Iterable[int] = (),
     ) -> None:
         self.config, self.seed, self.tag, self.batched = config, int(seed), str(tag), batched
+        self.coverage_key = f"attn_{self.tag.rstrip('_')}" if self.tag else "attn"
         self.dp_rank, self.dp_size, self.dp_group = int(dp_rank), int(dp_size), dp_group
         self.interval = int(config.interval)
         wanted = config.layers

@@ -144,3 +144,15 @@ def test_a_non_finite_head_is_emitted_so_the_table_counts_it_observed_not_finite
     table = reduce_signals(out, mon.signal_names())
     assert table["attn/max_logit/max/layer_1/head_1"] == math.inf
     assert table["attn/max_logit/max/layer_1/head_2"] == math.inf
+
+
+def test_coverage_names_the_max_logit_monitor_beside_the_qk_monitor(tmp_path):
+    from mechmon_megatron.monitor import MechMon
+    from tests.unit.test_monitor_state import SyntheticMonitor, make_config
+
+    mon = MechMon(make_config(tmp_path)).attach(
+        [SyntheticMonitor(), MaxLogitMonitor(2, [], {1: 4}), SyntheticMonitor()], sinks=[])
+    assert set(mon.coverage()) == {"attn_0", "attn_max_logit", "attn_2", "mechmon"}
+    one = MechMon(make_config(tmp_path)).attach(
+        [SyntheticMonitor(), MaxLogitMonitor(2, [], {1: 4})], sinks=[])
+    assert set(one.coverage()) == {"attn", "attn_max_logit", "mechmon"}

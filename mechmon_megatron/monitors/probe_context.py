@@ -53,17 +53,21 @@ def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Ite
     """Eval mode, own RNG, buffers restored: the probe's forward leaves no trace on training.
 
     Saves and restores every module's ``training`` flag, the CPU and CUDA RNG, each tracker's
-    states, every buffer (e.g. a router's token counts for expert-bias updates) and every
+    states, every buffer (e.g. a router's token counts for expert-bias updates), every
     ``current_max_attn_logits`` (a plain attribute: the per-head max logits TE's core attention
     keeps for megatron's QK-clip, which the probe's forwards at ``W +- h u`` would otherwise
-    raise, so that the next clip acted on them). Module methods are called unbound: megatron's
-    DDP wrapper shadows ``buffers`` with its grad buffers.
+    raise, so that the next clip acted on them) and the delayed-scaling tensors of every
+    Transformer Engine module (``fp8_meta["scaling_fwd" | "scaling_bwd"]``: amax history,
+    scale, scale_inv, restored in place, so the probe's amaxes never reach the next steps'
+    scales). Module methods are called unbound: megatron's DDP wrapper shadows ``buffers`` with
+    its grad buffers.
     """
     modules = list(torch.nn.Module.modules(model))
     modes = [(m, m.training) for m in modules]
     buffers = [(b, b.detach().clone()) for b in torch.nn.Module.buffers(model)]
     logits = [(m, m.current_max_attn_logits) for m in modules
               if hasattr(m, "current_max_attn_logits")]
+    scaling = [(t, t.detach().clone()) for m in modules for t in _fp8_scaling(m)]
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     saved = [get() for get, _ in trackers]
@@ -76,13 +80,27 @@ def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Ite
         for m, held in logits:  # the forwards replace the tensor (never write into it)
             m.current_max_attn_logits = held
         with torch.no_grad():
-            for b, copy in buffers:
+            for b, copy in buffers + scaling:
                 b.copy_(copy)
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         for (_, put), states in zip(trackers, saved, strict=True):
             put(states)
+
+def _fp8_scaling(module: Any) -> list[torch.Tensor]:
+    """The delayed-scaling tensors of a Transformer Engine module (none for other modules)."""
+    meta = getattr(module, "fp8_meta", None)
+    if not isinstance(meta, dict):
+        return []
+    found = []
+    for key in ("scaling_fwd", "scaling_bwd"):
+        for name in ("amax_history", "scale", "scale_inv"):
+            t = getattr(meta.get(key), name, None)
+            if isinstance(t, torch.Tensor):
+                found.append(t)
+    return found
+
 
 _Key = tuple[int, int]
 """(router index, call number within that router's forward)."""

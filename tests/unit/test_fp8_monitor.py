@@ -218,3 +218,25 @@ def test_fp8_family_is_configured_watched_and_attributed_to_fp8_scaling():
     assert diagnosis.fault_class == "fp8_scaling" and diagnosis.first_family == "fp8"
     assert diagnosis.description == "low-precision (FP8) scaling"
     assert diagnosis.evidence[0]["signal"] == headroom and diagnosis.evidence[0]["layer"] == 2
+
+
+def test_the_probe_context_restores_te_delayed_scaling_and_max_logits():
+    """What a probe forward in FP8 would leave behind (a recorded amax, a rolled history, new
+    scales, a core attention's max logits) is undone when the probe's context exits."""
+    from mechmon_megatron.monitors.probe_context import isolated
+
+    model = _model(layers=(1,))
+    qkv = model.decoder[0].self_attention.linear_qkv
+    core = model.decoder[0].self_attention.core_attention
+    qkv.te_step(2.0, 1.0)
+    core(torch.tensor([1.0, 2.0]))
+    before = {k: (v.amax_history.clone(), v.scale.clone())
+              for k, v in qkv.fp8_meta.items() if k.startswith("scaling_")}
+    held = core.current_max_attn_logits
+    with isolated(model):
+        qkv.te_step(64.0, 32.0)  # the probe's forwards at W +- h u
+        core(torch.tensor([9.0, 9.0]))
+    for key, (history, scale) in before.items():
+        assert torch.equal(qkv.fp8_meta[key].amax_history, history)
+        assert torch.equal(qkv.fp8_meta[key].scale, scale)
+    assert core.current_max_attn_logits is held

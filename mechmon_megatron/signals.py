@@ -27,17 +27,17 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.families import FAMILY_NAMES
 
-__all__ = ["FAMILIES", "family_of", "reduce_signals"]
-
-FAMILIES = ("attn", "router", "fp8", "optim", "global")
+__all__ = ["family_of", "reduce_signals"]
 
 
 def family_of(name: str) -> str:
     """Family of a signal name (its first path component)."""
     family = name.split("/", 1)[0]
-    if family not in FAMILIES:
-        raise ValueError(f"signal {name!r}: family must be one of {FAMILIES}, got {family!r}")
+    if family not in FAMILY_NAMES:
+        raise ValueError(f"signal {name!r}: family must be one of {FAMILY_NAMES}, got "
+                         f"{family!r}")
     return family
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from mechmon_megatron.config.fields import require
+from mechmon_megatron.families import FAMILIES
 
 __all__ = ["BaselineConfig", "RobustZConfig", "CusumConfig", "BoundsConfig",
            "FamilyDetectorConfig", "LossSpikeConfig", "ZSpikeConfig",
@@ -425,7 +426,5 @@ class DetectorsConfig:
         return self.family_start("optim")
 
     def families(self) -> dict[str, FamilyDetectorConfig]:
-        """``{family: config}`` keyed by signal family name (attn, router, optim, global)."""
-        return {"attn": self.attn, "router": self.router,
-                "fp8": self.fp8, "optim": self.optim,
-                "global": self.global_}
+        """``{family: config}`` keyed by signal family name (mechmon_megatron/families.py)."""
+        return {f.name: getattr(self, f.config_key) for f in FAMILIES}

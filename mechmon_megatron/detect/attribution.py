@@ -34,30 +34,17 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from mechmon_megatron.detect.base import Finding
+from mechmon_megatron.families import FAMILIES, FAMILY_NAMES
 
 __all__ = ["Diagnosis", "FAULT_CLASSES", "DESCRIPTIONS", "diagnose", "locate",
            "parse_location"]
 
-FAULT_CLASSES = {
-    "attn": "attention",
-    "router": "router_collapse",
-    "fp8": "fp8_scaling",
-    "optim": "lr",
-    "global": "global",
-}
-"""Fault class of each family when it fires first and alone."""
+FAULT_CLASSES = {f.name: f.fault_class for f in FAMILIES}
+"""Fault class of each family when it fires first and alone (mechmon_megatron/families.py)."""
 
-DESCRIPTIONS = {
-    "attention": "biased low-precision attention / QK drift",
-    "router_collapse": "MoE router collapse",
-    "fp8_scaling": "low-precision (FP8) scaling",
-    "lr": "learning-rate / optimizer instability",
-    "global": "loss / grad-norm anomaly without an earlier mechanism signal",
-    "compound": "several mechanisms at once",
-}
+DESCRIPTIONS = {**{f.fault_class: f.description for f in FAMILIES},
+                "compound": "several mechanisms at once"}
 """Human-readable description of each fault class."""
-
-_FAMILY_ORDER = ("attn", "router", "fp8", "optim", "global")
 _LAYER, _HEAD = re.compile(r"/layer_(\d+)(?:/|$)"), re.compile(r"/head_(\d+)(?:/|$)")
 _ROUTER_GROUP = re.compile(r"optim/[^/]+/router(?:/layer_\d+)?\Z")
 
@@ -165,7 +152,7 @@ def diagnose(findings: Iterable[Finding], compound_window: int = 0) -> Diagnosis
     first_onset: dict[str, int] = {}
     for f in findings:
         first_onset.setdefault(family(f), f.onset_step)
-    families = sorted(first_onset, key=lambda fam: (first_onset[fam], _FAMILY_ORDER.index(fam)))
+    families = sorted(first_onset, key=lambda fam: (first_onset[fam], FAMILY_NAMES.index(fam)))
     first = families[0]
     # ``global`` is a symptom: with a mechanism at the same onset it names no second fault.
     close = [fam for fam in families if first_onset[fam] - first_onset[first] <= compound_window

@@ -51,6 +51,7 @@ from mechmon_megatron.detect.detectors import (
 from mechmon_megatron.detect.jumps import TrailingJump
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 from mechmon_megatron.detect.pooled import LayerPool, pooled_channel, pooled_name
+from mechmon_megatron.families import FAMILIES
 
 __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 
@@ -104,12 +105,9 @@ DEFAULT_INTERVAL = 100
 
 def family_intervals(config: MechMonConfig) -> dict[str, int]:
     """Monitor interval of each signal family under ``config``."""
-    out = {"attn": config.qk.interval, "router": config.router.interval,
-           "optim": config.optim.interval}
-    fp8 = getattr(config, "fp8", None)
-    if fp8 is not None and hasattr(fp8, "interval"):
-        out["fp8"] = fp8.interval
-    out["global"] = math.gcd(*out.values())
+    out = {f.name: int(getattr(config, f.interval_of).interval)
+           for f in FAMILIES if f.interval_of is not None}
+    out.update({f.name: math.gcd(*out.values()) for f in FAMILIES if f.interval_of is None})
     return out
 
 

@@ -31,6 +31,7 @@ from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.attribution import diagnose
 from mechmon_megatron.detect.bank import GRAD_NORM, LOSS, MAX_LOGIT
 from mechmon_megatron.detect.base import Finding
+from mechmon_megatron.families import FAMILIES
 
 __all__ = ["DETECTORS", "BASELINE_DETECTORS", "DetectorResult", "replay_monitor", "rule_config",
            "replay_rule"]
@@ -198,10 +199,8 @@ def replay_monitor(config: MechMonConfig, metrics: list[dict[str, Any]],
 
 def rule_config(name: str, detectors: DetectorsConfig) -> DetectorsConfig:
     """``detectors`` with only comparison rule ``name`` on (alarming), every family off."""
-    fams = {key: dataclasses.replace(fam, enabled=False)
-            for key, fam in (("attn", detectors.attn), ("router", detectors.router),
-                             ("optim", detectors.optim), ("fp8", detectors.fp8),
-                             ("global_", detectors.global_))}
+    fams = {f.config_key: dataclasses.replace(getattr(detectors, f.config_key), enabled=False)
+            for f in FAMILIES}
     rules = {rule: dataclasses.replace(getattr(detectors.baselines, rule),
                                        enabled=rule == name, alarm=rule == name)
              for rule in BASELINE_DETECTORS}

@@ -40,12 +40,12 @@ def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str
     """
     if state is None or "monitors" not in state or len(state["monitors"]) == len(monitors):
         return state
-    kept = iter([m for m in state["monitors"] if m != {}])
-    stateful = [m for m in monitors if not getattr(m, "stateless", False)]
-    if len(stateful) != len([m for m in state["monitors"] if m != {}]):
+    saved = [m for m in state["monitors"] if m != {}]
+    stateless = [bool(getattr(m, "stateless", False)) for m in monitors]
+    if stateless.count(False) != len(saved):
         return state
-    return dict(state, monitors=[{} if getattr(m, "stateless", False) else next(kept)
-                                 for m in monitors])
+    kept = iter(saved)
+    return dict(state, monitors=[{} if s else next(kept) for s in stateless])
 
 
 class StateMixin:

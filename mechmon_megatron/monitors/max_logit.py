@@ -58,13 +58,16 @@ def max_logit_names(heads: Mapping[int, int]) -> list[str]:
     return sorted(names)
 
 
-def attach_logit_hook(core_attention: Any,
+def attach_logit_hook(core_attention: Any, armed: Callable[[], bool],
                       sink: Callable[[torch.Tensor], None]) -> Callable[[], None]:
     """Forward hook handing ``core_attention.current_max_attn_logits`` to ``sink`` after each
-    call (when set); returns the detach function. Under activation recompute the recomputed
-    forward hands the same maxima again (a max is unchanged by it)."""
+    call while ``armed()`` (and the tensor is set); returns the detach function. On other steps
+    the hook only asks ``armed()``. Under activation recompute the recomputed forward hands the
+    same maxima again (a max is unchanged by it)."""
 
     def hook(module: Any, args: Any, output: Any) -> None:
+        if not armed():
+            return
         logits = getattr(module, "current_max_attn_logits", None)
         if isinstance(logits, torch.Tensor):
             sink(logits.detach())
@@ -94,7 +97,8 @@ class MaxLogitMonitor(Stateless):
         self.found = len(cores)
         self.armed = False
         self.logits: dict[int, torch.Tensor] = {}
-        self._detach = [attach_logit_hook(core, self._sink(int(layer))) for layer, core in cores]
+        self._detach = [attach_logit_hook(core, lambda: self.armed, self._sink(int(layer)))
+                        for layer, core in cores]
         self._observed = self._skipped = self._errors = 0
         self._warned = False
 
@@ -141,8 +145,6 @@ class MaxLogitMonitor(Stateless):
 
     def _sink(self, layer: int) -> Callable[[torch.Tensor], None]:
         def sink(logits: torch.Tensor) -> None:
-            if not self.armed:
-                return
             old, new = self.logits.get(layer), logits.float().reshape(-1)
             self.logits[layer] = new.clone() if old is None else torch.maximum(old, new)
         return sink

@@ -88,6 +88,7 @@ def isolated(model: torch.nn.Module, trackers: Sequence[RngTracker] = ()) -> Ite
         for (_, put), states in zip(trackers, saved, strict=True):
             put(states)
 
+
 def _fp8_scaling(module: Any) -> list[torch.Tensor]:
     """The delayed-scaling tensors of a Transformer Engine module (none for other modules)."""
     meta = getattr(module, "fp8_meta", None)

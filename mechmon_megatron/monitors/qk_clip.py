@@ -23,7 +23,7 @@ head's key rows by ``eta^(1 - alpha)``, the decoupled RoPE query rows by ``eta``
 RoPE key (shared by every head, from the KV down projection) alone. The effective rows of
 ``layouts/megatron_mla.py`` are linear in those rows, so the same correction holds per form: the
 no-RoPE form as above with one group per head, the RoPE form with ``c_q = eta`` and ``c_k = 1``
-(:meth:`ClipRecorder.rope`, fed by the same wrapped call; the layer's counts are reported once).
+(:attr:`ClipRecorder.rope`, fed by the same wrapped call; the layer's counts are reported once).
 
 Device tensors only, accumulated on every ``clip_qk`` call (a factor 1 where nothing was
 clipped), so the training step gains no host sync; nothing reaches the host until the monitor's

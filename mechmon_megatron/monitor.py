@@ -40,6 +40,7 @@ counts the orchestrator's own caught errors.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -95,6 +96,8 @@ class MechMon(StateMixin, CoverageMixin):
         self._pending_state: dict[str, Any] | None = None
         self._errors_agreed = 0
         self._due: dict[int, int] = {}
+        self.looks: list[int] = []
+        """Agreed look steps ahead (escalation, detect/looks.py), the same on every rank."""
         self.last_coverage: dict[str, dict[str, int]] = {}
         """The agreed coverage of the last monitored step (identical on every rank)."""
 
@@ -150,14 +153,26 @@ class MechMon(StateMixin, CoverageMixin):
         return self
 
     def is_monitored(self, step: int) -> bool:
-        """Whether ``step`` is a step of some monitor (same answer on every rank; with no
-        monitor attached, every step is monitored: the loss and grad norm rules run)."""
+        """Whether ``step`` is a step of some monitor or a look (same answer on every rank;
+        with no monitor attached, every step is monitored: the loss and grad norm rules run)."""
+        return self._regular(step) or self._looking(step)
+
+    def _regular(self, step: int) -> bool:
+        """Whether ``step`` is a regular step of some monitor."""
         return not self.intervals or any(self._monitor_due(i, step)
                                          for i in range(len(self.monitors)))
 
-    def _monitor_due(self, index: int, step: int) -> bool:
-        """Whether monitor ``index`` is due at ``step`` (its ``due`` or its interval)."""
-        due = getattr(self.monitors[index], "due", None)
+    def _looking(self, step: int) -> bool:
+        """Whether ``step`` is a look (agreed, and no monitor's regular step)."""
+        return step in self.looks and not self._regular(step)
+
+    def _monitor_due(self, index: int, step: int, look: bool = False) -> bool:
+        """Whether monitor ``index`` is due at ``step``: its ``due`` or its interval, or, on a
+        ``look``, whether it takes looks."""
+        monitor = self.monitors[index]
+        if look:
+            return bool(getattr(monitor, "looks", False))
+        due = getattr(monitor, "due", None)
         return bool(due(step)) if due is not None else step % self.intervals[index] == 0
 
     @property
@@ -175,8 +190,11 @@ class MechMon(StateMixin, CoverageMixin):
 
     def begin_step(self, step: int) -> None:
         """Before forward/backward of ``step``; never raises."""
-        for monitor in self.monitors:
+        look = self._looking(step)
+        for index, monitor in enumerate(self.monitors):
             try:
+                if look and self._monitor_due(index, step, look=True):
+                    monitor.arm_look(step)
                 monitor.begin_step(step)
             except Exception as exc:
                 self._escaped(f"{monitor.family}.begin_step", step, exc)
@@ -193,11 +211,13 @@ class MechMon(StateMixin, CoverageMixin):
             The :class:`Verdict`, identical on every rank.
         """
         self.last_step = step
-        if not self.is_monitored(step):
+        look = self._looking(step)
+        self.looks = [s for s in self.looks if s > step]
+        if not (look or self._regular(step)):
             return Verdict(step, monitored=False)
         local: dict[str, float] = {}
         for index, monitor in enumerate(self.monitors):
-            if self._monitor_due(index, step):
+            if self._monitor_due(index, step, look):
                 try:
                     local.update(monitor.end_step(step))
                 except Exception as exc:
@@ -215,15 +235,18 @@ class MechMon(StateMixin, CoverageMixin):
             local = {k: v for k, v in local.items() if k in self._known}
         table = reduce_signals(local, self.names, self.group)
         table.update(self._derived(table))
-        self._schedule_from(step, table)
-        findings, diagnosis = self._detect(step, table)
+        if not look:
+            self._schedule_from(step, table)
+        findings, diagnosis = self._detect(step, table, look)
         agreed = consensus(
             diagnosis is not None,
             int(getattr(diagnosis, "onset_step", step)),
             int(getattr(diagnosis, "alarm_step", step)),
             self.group,
-            payload=self._coverage_payload(),
+            payload=self._coverage_payload() + [0 if look else self._escalate(step)],
         )
+        self._plan_looks(step, agreed.payload[-1])
+        agreed = dataclasses.replace(agreed, payload=agreed.payload[:-1])
         coverage = self._coverage(agreed)
         self._warn_unobserved(step, coverage)
         self.last_coverage = coverage
@@ -233,7 +256,7 @@ class MechMon(StateMixin, CoverageMixin):
             alarm = self._new_alarm(share_diagnosis(diagnosis, agreed, self.group), agreed)
             self.alarm = alarm
         record = StepRecord(step, table, jsonable(findings), coverage,
-                            alarm.to_dict() if alarm is not None else None)
+                            alarm.to_dict() if alarm is not None else None, look)
         for sink in self.sinks:
             sink.write(record)
         exit_requested = False
@@ -276,13 +299,33 @@ class MechMon(StateMixin, CoverageMixin):
                 except Exception as exc:
                     self._escaped(f"{monitor.family}.schedule", step, exc)
 
-    def _detect(self, step: int, table: Mapping[str, float]) -> tuple[list[Any], Any | None]:
+    def _detect(self, step: int, table: Mapping[str, float],
+                look: bool) -> tuple[list[Any], Any | None]:
         try:
-            findings = list(self.detectors.update(step, table))
+            judge = self.detectors.look if look else self.detectors.update
+            findings = list(judge(step, table))
             return findings, self.detectors.diagnosis() if self.alarm is None else None
         except Exception as exc:  # noqa: BLE001
             self._error("detectors", exc)
             return [], None
+
+    def _escalate(self, step: int) -> int:
+        """Looks this rank's detectors ask for after the regular sample of ``step`` (none
+        once an alarm is latched)."""
+        if self.alarm is not None:
+            return 0
+        try:
+            return int(self.detectors.escalate(step))
+        except Exception as exc:  # noqa: BLE001
+            self._error("detectors.escalate", exc)
+            return 0
+
+    def _plan_looks(self, step: int, looks: int) -> None:
+        """The agreed look steps after ``step`` (the MAX over ranks of the looks asked for),
+        ``detectors.escalation.spacing`` apart."""
+        if looks > 0:
+            spacing = int(self.config.detectors.escalation.spacing)
+            self.looks = [step + spacing * i for i in range(1, looks + 1)]
 
     def _new_alarm(self, shared: Mapping[str, Any], agreed: Consensus) -> Alarm:
         fault = shared["fault_class"]

@@ -27,6 +27,15 @@ class Detectors(Protocol):
         """Feed one reduced table; return this step's findings."""
         ...
 
+    def escalate(self, step: int) -> int:
+        """After the regular sample of ``step``: how many looks escalation asks for (0: none;
+        detect/looks.py)."""
+        ...
+
+    def look(self, step: int, table: Mapping[str, float]) -> list[Any]:
+        """Feed one look's reduced table; return its findings."""
+        ...
+
     def diagnosis(self) -> Any | None:
         """The current diagnosis (fault_class, families, first_family, onset_step, alarm_step,
         evidence) when the alarm rule is met, else ``None``."""

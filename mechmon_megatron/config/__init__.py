@@ -43,6 +43,7 @@ from mechmon_megatron.config.detectors import (
     RobustZConfig,
     ZSpikeConfig,
 )
+from mechmon_megatron.config.escalation import EscalationConfig
 from mechmon_megatron.config.fields import overlay, require, show, to_dict
 from mechmon_megatron.config.monitors import (
     FP8Config,
@@ -57,6 +58,7 @@ from mechmon_megatron.config.monitors import (
 from mechmon_megatron.config.source import read_source
 
 __all__ = [
+    "EscalationConfig",
     "SketchConfig",
     "QKConfig",
     "RouterConfig",

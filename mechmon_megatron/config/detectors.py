@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from mechmon_megatron.config.escalation import EscalationConfig
 from mechmon_megatron.config.fields import require
 from mechmon_megatron.families import FAMILIES
 
@@ -167,6 +168,13 @@ class FamilyDetectorConfig:
     the mean of their oriented z's (peer signals against their pack), judged by the family's
     rules against its own baseline, which follows slow drift (detect/pooled.py). The pooled
     signals' own rules are off; each layer counts once in the false-alarm budget."""
+    look_signals: list[str] = field(default_factory=list)
+    """Per-step signals (patterns) that escalation samples between regular samples
+    (``detectors.escalation``; detect/looks.py): quantities of the step's own batch and
+    weights, not of a window, so a look is a sample like a regular one. Each is judged on
+    its looks by its robust-z rule (k of n over the triggering regular sample and its looks,
+    against the same baseline or trailing window, which looks never enter); every look
+    signal counts twice in the false-alarm budget (its regular and its look rule)."""
     jump_window: int = 5
     """Previous samples the trailing median of ``jump_signals`` is taken over."""
     baseline: BaselineConfig | None = None
@@ -204,6 +212,10 @@ def _attn_family() -> FamilyDetectorConfig:
         direction="down",
         directions={"attn/coherence/**": "up", "attn/max_logit/**": "up"},
         jump_signals=["attn/max_logit/max/layer_*"],
+        # The max logit is the step's own (a function of its batch and weights) where the
+        # core attention resets it every step; a fault that diverges within an interval
+        # writes it step after step: escalation looks at it (monitors/max_logit.py).
+        look_signals=["attn/max_logit/max/layer_*"],
         peer_signals=list(_ATTN_ENTROPIES),
         # A biased kernel moves every entropy of its layer and the update cosine a little, and
         # spreads to the other layers: one statistic per layer, against its peers and itself.
@@ -229,6 +241,9 @@ def _router_family() -> FamilyDetectorConfig:
         # linear scale, 3.9 warm-up scales at most, under CUSUM's drift once the kind's
         # autocorrelation is credited).
         log_signals=["router/entropy_mean/*"],
+        # Routing entropy and load are the step's batch's: escalation looks at them (the
+        # router's weight geometry moves slowly: a look at it would repeat the regular sample).
+        look_signals=["router/entropy_mean/layer_*", "router/maxvio/layer_*"],
         # Experts specialise and routing sharpens slowly in healthy training: the baseline
         # follows unsuspicious samples; its scale is floored at 2% of the level.
         baseline=BaselineConfig(mode="tracked", track_rate=0.05, min_rel_scale=0.02),
@@ -391,6 +406,8 @@ class DetectorsConfig:
     """Loss and grad norm (a non-finite loss is always a finding of this family)."""
     baselines: ComparisonBaselinesConfig = field(default_factory=ComparisonBaselinesConfig)
     """Comparison rules (Megatron spiky loss, z-score spikes); they only log by default."""
+    escalation: EscalationConfig = field(default_factory=EscalationConfig)
+    """Looks at the per-step signals right after a regular sample that shows evidence."""
 
     def __post_init__(self) -> None:
         require(3 <= self.warmup_samples <= MAX_WARMUP_SAMPLES, "warmup_samples",
@@ -411,7 +428,7 @@ class DetectorsConfig:
                     f"a pattern starting with '{key}/'",
                 )
             for name in ("alarm_above", "log_signals", "bound_only", "jump_signals",
-                         "pooled_signals"):
+                         "pooled_signals", "look_signals"):
                 for pattern in getattr(fam, name):
                     require(pattern.startswith(key + "/"), f"{key}.{name}", pattern,
                             f"patterns starting with '{key}/'")

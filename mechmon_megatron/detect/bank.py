@@ -49,6 +49,7 @@ from mechmon_megatron.detect.detectors import (
     ZSpike,
 )
 from mechmon_megatron.detect.jumps import TrailingJump
+from mechmon_megatron.detect.looks import Looks
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 from mechmon_megatron.detect.pooled import LayerPool, pooled_channel, pooled_name
 from mechmon_megatron.families import FAMILIES
@@ -58,7 +59,8 @@ __all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
 LOSS, GRAD_NORM, MAX_LOGIT = "global/loss", "global/grad_norm", "global/max_logit"
 
 PATTERN_SETTINGS = ("signals", "peer_signals", "directions", "signal_bounds", "alarm_above",
-                    "log_signals", "bound_only", "jump_signals", "pooled_signals")
+                    "log_signals", "bound_only", "jump_signals", "pooled_signals",
+                    "look_signals")
 """Settings of a family whose keys or items are signal patterns: a pattern the user set that
 matches no signal of the model is warned about, whichever setting holds it."""
 
@@ -159,9 +161,13 @@ class DetectorBank:
                 members.setdefault((family, m.group(0)), []).append(name)
         members = {k: v for k, v in members.items() if len(v) > 1}
         self._members = {n for names in members.values() for n in names}
-        priced = len(members) + sum(
-            not _matches(name, fam.bound_only) and name not in self._members
-            for name, _, fam in watched)
+        rules = [(name, fam) for name, _, fam in watched
+                 if not _matches(name, fam.bound_only) and name not in self._members]
+        # Look signals: per-step signals with a robust-z rule of their own (not judged
+        # against peers); each prices a second k-of-n rule (detect/looks.py).
+        looked = [name for name, fam in rules if fam.robust_z.enabled and name not in self.peers
+                  and _matches(name, fam.look_signals)] if config.escalation.enabled else []
+        priced = len(members) + len(rules) + len(looked)
         resolved = {}
         for name, family, fam in watched:
             resolved[family] = self._resolved(fam, family, priced)
@@ -191,6 +197,8 @@ class DetectorBank:
                 self.kinds.setdefault(kind, []).append(channel.baseline)
         self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming: list[Finding] = []
+        self.looks = Looks(config.escalation, self.channels, looked, self.jumps, self.logs)
+        """Escalation's look rules (detect/looks.py)."""
 
     def _resolved(self, fam: FamilyDetectorConfig, family: str,
                   signals: int) -> FamilyDetectorConfig:
@@ -297,6 +305,17 @@ class DetectorBank:
         self._pool_long_run()
         return findings
 
+    def escalate(self, step: int) -> int:
+        """After the regular sample of ``step``: the number of looks escalation asks for (0:
+        none; detect/looks.py)."""
+        return self.looks.trigger(step)
+
+    def look(self, step: int, signals: Mapping[str, float]) -> list[Finding]:
+        """Feed one look's table: only the look signals are judged (detect/looks.py)."""
+        findings = self.looks.look(step, signals)
+        self.alarming.extend(f for f in findings if f.alarm)
+        return findings
+
     def _pool_long_run(self) -> None:
         """Give every formed baseline its kind's pooled long-run factor (when the kind's set
         of formed baselines changed)."""
@@ -329,6 +348,7 @@ class DetectorBank:
             pool.reset()
         self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming = []
+        self.looks.cancel()
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-able (and torch-saveable) state of every channel and the alarming findings."""
@@ -353,6 +373,7 @@ class DetectorBank:
                 jump.load_state_dict(sd["jumps"][name])
         self._pooled = {kind: sum(b.ready for b in bs) for kind, bs in self.kinds.items()}
         self.alarming = [Finding(**f) for f in sd["alarming"]]
+        self.looks.cancel()
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

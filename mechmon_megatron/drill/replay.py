@@ -44,6 +44,9 @@ BASELINE_DETECTORS = ("loss_spike", "loss_z", "grad_norm_z", "max_logit_z", "qk_
 ``max_logit`` where a run logged it, else nothing)."""
 
 
+Row = tuple[int, dict[str, float], bool]
+"""One replayed sample: step, signal table, whether it is a look (detect/looks.py)."""
+
 STEP_SIGNALS = [LOSS, GRAD_NORM, MAX_LOGIT]
 """Signals of ``train.jsonl`` (every step) the comparison rules read."""
 
@@ -100,21 +103,21 @@ def _evidence(findings: list[Finding], compound_window: int) -> tuple[Any, list[
 class _Twin:
     """The healthy twin's replay, fed in lockstep up to each faulty step."""
 
-    def __init__(self, bank: DetectorBank, rows: Iterable[tuple[int, dict[str, float]]],
+    def __init__(self, bank: DetectorBank, rows: Iterable[Row],
                  fault_start: int) -> None:
         self.bank, self.rows, self.start = bank, iter(rows), fault_start
-        self.pending: tuple[int, dict[str, float]] | None = next(self.rows, None)
+        self.pending: Row | None = next(self.rows, None)
         self.armed = self.alarmed = False
         self.first_alarm: int | None = None
 
     def advance(self, until: int) -> None:
         """Feed the twin's rows with step <= ``until``; note post-onset alarms."""
         while self.pending is not None and self.pending[0] <= until:
-            step, table = self.pending
+            step, table, look = self.pending
             if step >= self.start and not self.armed:
                 _rearm(self.bank)
                 self.armed = True
-            if any(f.alarm for f in self.bank.update(step, table)) and step >= self.start:
+            if any(f.alarm for f in _judge(self.bank, step, table, look)) and step >= self.start:
                 self.alarmed = True
                 self.first_alarm = step if self.first_alarm is None else self.first_alarm
             self.pending = next(self.rows, None)
@@ -125,20 +128,20 @@ class _Twin:
         self.alarmed = False
 
 
-def _replay(name: str, bank: DetectorBank, rows: Iterable[tuple[int, dict[str, float]]],
+def _replay(name: str, bank: DetectorBank, rows: Iterable[Row],
             fault_start: int | None, until: int | None, window: int,
             twin: _Twin | None = None) -> DetectorResult:
     result = DetectorResult(name)
     early: list[Finding] = []
     late: list[Finding] = []
     armed = False
-    for step, table in rows:
+    for step, table, look in rows:
         if fault_start is not None and step >= fault_start and not armed:
             _rearm(bank)
             armed = True
         if twin is not None:
             twin.advance(step)
-        alarming = [f for f in bank.update(step, table) if f.alarm]
+        alarming = [f for f in _judge(bank, step, table, look) if f.alarm]
         if not alarming:
             continue
         if fault_start is None or step < fault_start:
@@ -171,16 +174,26 @@ def _replay(name: str, bank: DetectorBank, rows: Iterable[tuple[int, dict[str, f
     return result
 
 
-def _signal_rows(metrics: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, float]]]:
+def _signal_rows(metrics: list[dict[str, Any]]) -> Iterator[Row]:
     for row in metrics:
         table = {k: math.nan if v is None else float(v) for k, v in row["signals"].items()}
-        yield int(row["step"]), table
+        yield int(row["step"]), table, bool(row.get("look", False))
 
 
-def _step_rows(train: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, float]]]:
+def _judge(bank: DetectorBank, step: int, table: dict[str, float], look: bool) -> list[Finding]:
+    """A regular sample (then the looks it asks for are armed, as the live monitor does) or a
+    look (judged only where the replayed config armed looks: detect/looks.py)."""
+    if look:
+        return bank.look(step, table)
+    findings = bank.update(step, table)
+    bank.escalate(step)
+    return findings
+
+
+def _step_rows(train: list[dict[str, Any]]) -> Iterator[Row]:
     for row in train:
         yield int(row["step"]), {LOSS: _num(row.get("loss")), GRAD_NORM: _num(row.get("grad_norm")),
-                                 MAX_LOGIT: _num(row.get("max_logit"))}
+                                 MAX_LOGIT: _num(row.get("max_logit"))}, False
 
 
 def replay_monitor(config: MechMonConfig, metrics: list[dict[str, Any]],

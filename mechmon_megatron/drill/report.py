@@ -166,8 +166,10 @@ def oracle_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _rows(metrics: list[dict[str, Any]]) -> list[tuple[int, dict[str, float]]]:
+    """The regular samples (the oracle compares like with like; looks are left out)."""
     return [(int(r["step"]), {k: math.nan if v is None else float(v)
-                              for k, v in r["signals"].items()}) for r in metrics]
+                              for k, v in r["signals"].items()})
+            for r in metrics if not r.get("look")]
 
 
 def evaluate_campaign(campaign: Campaign, out: str | Path) -> dict[str, Any]:

@@ -65,4 +65,13 @@ def max_logit_monitor(config: Any, model_chunks: list[torch.nn.Module]) -> MaxLo
         return None
     offset = head_offset(cores[0][2]) if cores else 0
     return MaxLogitMonitor(config.qk.interval, [(layer, core) for layer, core, _ in cores], heads,
-                           head_offset=offset)
+                           head_offset=offset, per_step=all(map(_per_step, cores)))
+
+
+def _per_step(found: tuple[int, Any, int]) -> bool:
+    """Whether a core attention's maxima are the step's own: QK-clip resets them after every
+    optimizer step, and the reference trainer's attention emulations before every step; with
+    ``--log-max-attention-logit`` alone they are the running max since the start."""
+    core = found[1]
+    return (bool(getattr(getattr(core, "config", None), "qk_clip", False))
+            or type(core).__module__.startswith("mechmon_megatron.faults."))

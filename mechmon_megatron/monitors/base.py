@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Monitor", "COVERAGE_KEYS", "Stateless", "armed_step"]
+__all__ = ["Monitor", "COVERAGE_KEYS", "Stateless", "Looks", "armed_step"]
 
 COVERAGE_KEYS = ("found", "observed", "skipped", "errors", "memory_bytes")
 """Keys of :meth:`Monitor.coverage` (a monitor may omit one: it counts as 0). ``memory_bytes``:
@@ -88,10 +88,30 @@ class Stateless:
         self._detach = []
 
 
+class Looks:
+    """A monitor whose signals are the step's own (its batch and weights, not a window), so
+    escalation may sample it between its regular steps (detect/looks.py): the orchestrator
+    calls :meth:`arm_look` before ``begin_step`` of a look step, and the monitor treats that
+    step as one of its own. ``looks`` may be set False per instance (a running max)."""
+
+    looks = True
+    look_step = -1
+
+    def arm_look(self, step: int) -> None:
+        """``step`` is a look."""
+        self.look_step = int(step)
+
+    def scheduled(self, step: int) -> bool:
+        """Whether ``step`` is a regular step of this monitor or its armed look."""
+        return step % self.interval == 0 or step == self.look_step
+
+
 def armed_step(monitor: Any, step: int) -> bool:
     """Whether ``begin_step`` armed ``monitor`` for this monitored ``step``; disarms it (a
-    monitor whose hooks read during the step's forwards: ``armed`` and ``interval``)."""
-    armed = bool(monitor.armed) and step % monitor.interval == 0
+    monitor whose hooks read during the step's forwards: ``armed`` and ``interval``, and
+    :meth:`Looks.scheduled` where it takes looks)."""
+    due = monitor.scheduled(step) if isinstance(monitor, Looks) else step % monitor.interval == 0
+    armed = bool(monitor.armed) and due
     monitor.armed = False
     return armed
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.monitors.base import Stateless, armed_step
+from mechmon_megatron.monitors.base import Looks, Stateless, armed_step
 
 __all__ = ["MaxLogitMonitor", "max_logit_names", "attach_logit_hook", "PREFIX"]
 
@@ -75,7 +75,7 @@ def attach_logit_hook(core_attention: Any, armed: Callable[[], bool],
     return core_attention.register_forward_hook(hook).remove
 
 
-class MaxLogitMonitor(Stateless):
+class MaxLogitMonitor(Looks, Stateless):
     """Per-head max attention logits of the monitored steps (module docstring).
 
     Args:
@@ -84,14 +84,18 @@ class MaxLogitMonitor(Stateless):
         heads: ``{layer: global query heads}`` of every read layer (all pipeline stages).
         head_offset: global index of this rank's first local query head (TP rank x heads per
             partition).
+        per_step: whether every core attention resets its maxima every step (QK-clip, the
+            reference trainer's attentions): only then does escalation look at them (a running
+            max would repeat the regular sample, detect/looks.py).
     """
 
     family = "attn"
     coverage_key = "attn_max_logit"
 
     def __init__(self, interval: int, cores: Sequence[tuple[int, Any]],
-                 heads: Mapping[int, int], head_offset: int = 0) -> None:
+                 heads: Mapping[int, int], head_offset: int = 0, per_step: bool = True) -> None:
         self.interval = int(interval)
+        self.looks = bool(per_step)
         self.heads = {int(layer): int(n) for layer, n in sorted(heads.items())}
         self.head_offset = int(head_offset)
         self.found = len(cores)
@@ -107,8 +111,8 @@ class MaxLogitMonitor(Stateless):
         return max_logit_names(self.heads)
 
     def begin_step(self, step: int) -> None:
-        """Arm the hooks on a monitored step."""
-        self.armed = step % self.interval == 0
+        """Arm the hooks on a monitored step (a regular one or a look)."""
+        self.armed = self.scheduled(step)
         self.logits = {}
 
     def end_step(self, step: int) -> dict[str, float]:

@@ -33,7 +33,7 @@ from mechmon_megatron.math.routing import (
     num_slots,
     routing_stats,
 )
-from mechmon_megatron.monitors.base import Stateless
+from mechmon_megatron.monitors.base import Looks, Stateless
 from mechmon_megatron.monitors.router_capture import (
     BIAS_STAT,
     RouterSource,
@@ -44,7 +44,7 @@ from mechmon_megatron.monitors.router_capture import (
 
 __all__ = ["RouterMonitor"]
 
-class RouterMonitor(Stateless):
+class RouterMonitor(Looks, Stateless):
     """Routing statistics of every MoE layer, reduced over the ranks that routed tokens.
 
     Args:
@@ -144,8 +144,8 @@ class RouterMonitor(Stateless):
         return router_signal_names(self.layers, self.expert_bias)
 
     def begin_step(self, step: int) -> None:
-        """Arm the captures when ``step`` is monitored."""
-        armed = step % self.interval == 0
+        """Arm the captures when ``step`` is monitored (a regular step or a look)."""
+        armed = self.scheduled(step)
         for capture in self.captures:
             capture.reset()
             capture.armed = armed
@@ -159,7 +159,7 @@ class RouterMonitor(Stateless):
         """
         for capture in self.captures:
             capture.armed = False
-        if step % self.interval != 0 or not self.sources:
+        if not self.scheduled(step) or not self.sources:
             return {}
         sum_flat, max_flat = self._pack()
         sum_flat = comm.all_reduce_sum(sum_flat, self.group)

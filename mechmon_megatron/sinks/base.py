@@ -36,6 +36,8 @@ class StepRecord:
     """Per monitor family: found / observed / skipped / errors (agreed over ranks)."""
     alarm: dict[str, Any] | None = None
     """The alarm record when an alarm was raised at this step."""
+    look: bool = False
+    """An escalation look (detect/looks.py): only the per-step signals were sampled."""
 
 
 class Sink:

@@ -1,0 +1,120 @@
+"""Escalation's looks (detect/looks.py): triggered by a regular sample's evidence, judged by the
+look signal's robust-z rule over the sample and its looks, never entering a baseline."""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+
+from mechmon_megatron.config import load_config
+from mechmon_megatron.detect import DetectorBank
+from mechmon_megatron.detect.looks import LOOK_DETECTOR
+
+ML1, ML2 = "attn/max_logit/max/layer_1", "attn/max_logit/max/layer_2"
+GN, LOSS = "global/grad_norm", "global/loss"
+NAMES = [ML1, ML2, GN, LOSS]
+
+
+def _bank(**escalation) -> DetectorBank:
+    config = load_config({"detectors": {"start_step": 100, "escalation": escalation}})
+    return DetectorBank(config, NAMES)
+
+
+def _healthy(bank: DetectorBank, samples: int = 40, seed: int = 0) -> int:
+    """Feed ``samples`` regular samples of healthy noise; returns the last step."""
+    rng = random.Random(seed)
+    step = 0
+    for i in range(samples):
+        step = 100 * (i + 1)
+        table = {ML1: 16 * math.exp(0.05 * rng.gauss(0, 1)),
+                 ML2: 15 * math.exp(0.05 * rng.gauss(0, 1)),
+                 GN: 1.4 * math.exp(0.05 * rng.gauss(0, 1)), LOSS: 2.0}
+        assert bank.update(step, table) == []
+        bank.escalate(step)
+    return step
+
+
+def test_a_jump_at_a_regular_sample_is_confirmed_by_two_looks_and_named_attention():
+    bank = _bank()
+    step = _healthy(bank) + 100
+    assert bank.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0}) == []
+    assert bank.escalate(step) == 3  # n - 1 of the attn robust-z rule
+    assert bank.look(step + 1, {ML1: 70.0, ML2: 15.0}) == []
+    found = bank.look(step + 2, {ML1: 90.0, ML2: 15.0})
+    assert [(f.signal, f.detector, f.step, f.onset_step) for f in found] == [
+        (ML1, LOOK_DETECTOR, step + 2, step)]
+    assert found[0].threshold == bank.thresholds["attn"]["robust_z"]
+    assert bank.diagnosis().fault_class == "attention"
+    # The look latched the signal's robust-z rule: the next regular sample does not repeat it.
+    assert [f for f in bank.update(step + 100, {ML1: 200.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+            if f.signal == ML1 and f.detector == "robust_z"] == []
+
+
+def test_looks_never_enter_a_baseline_or_a_trailing_window():
+    bank = _bank()
+    step = _healthy(bank) + 100
+    bank.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    before = copy.deepcopy(bank.state_dict())
+    assert bank.escalate(step) == 3
+    for i in range(1, 4):
+        bank.look(step + i, {ML1: 16.0, ML2: 15.0, GN: 50.0, LOSS: 9.0})
+    assert bank.state_dict() == before
+    assert bank.looks.pending == 0 and bank.look(step + 4, {ML1: 1e6}) == []
+
+
+def test_a_transient_spike_that_the_looks_do_not_confirm_raises_nothing():
+    bank = _bank()
+    step = _healthy(bank) + 100
+    bank.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    assert bank.escalate(step) == 3
+    assert [bank.look(step + i, {ML1: 16.0, ML2: 15.0}) for i in (1, 2, 3)] == [[], [], []]
+    assert bank.diagnosis() is None
+
+
+def test_a_grad_norm_jump_triggers_looks_but_looks_never_judge_the_loss_or_grad_norm():
+    bank = _bank()
+    step = _healthy(bank) + 100
+    bank.update(step, {ML1: 16.0, ML2: 15.0, GN: 20.0, LOSS: 2.0})
+    assert bank.escalate(step) == 3
+    assert [bank.look(step + i, {ML1: 16.0, GN: 80.0, LOSS: 50.0}) for i in (1, 2, 3)] == [
+        [], [], []]
+    # A mechanism signal that was quiet at the trigger needs all three looks beyond threshold.
+    bank.update(step + 100, {ML1: 16.0, ML2: 15.0, GN: 60.0, LOSS: 2.0})
+    assert bank.escalate(step + 100) == 3
+    assert bank.look(step + 101, {ML2: 80.0}) == [] and bank.look(step + 102, {ML2: 90.0}) == []
+    assert [f.signal for f in bank.look(step + 103, {ML2: 100.0})] == [ML2]
+
+
+def test_no_evidence_no_looks_and_disabled_escalation_takes_none():
+    bank = _bank()
+    step = _healthy(bank)
+    assert bank.escalate(step) == 0
+    off = _bank(enabled=False)
+    step = _healthy(off) + 100
+    off.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    assert off.escalate(step) == 0 and not off.looks.active
+
+
+def test_each_look_signal_is_priced_twice_in_the_budget():
+    on, off = _bank(), _bank(enabled=False)
+    p_on = on.thresholds["attn"]["per_sample_probability"]
+    p_off = off.thresholds["attn"]["per_sample_probability"]
+    # attn: 2 max-logit channels; global: 2 jump channels. Looks add 2 priced rules.
+    assert math.isclose(p_off / p_on, 6 / 4)
+    assert on.thresholds["attn"]["robust_z"] > off.thresholds["attn"]["robust_z"]
+
+
+def test_the_trigger_is_a_fraction_of_the_threshold():
+    eager, default = _bank(trigger=0.2), _bank()
+    step = _healthy(eager) + 100
+    _healthy(default)
+    rule = eager.channels[ML1].detectors[0]
+    b = rule.baseline
+    # A jump of half the threshold: starts looks at trigger 0.2, not at the default 1.0.
+    ratio = b.location + 0.5 * rule.config.threshold * b.scale
+    median = sorted(eager.jumps[ML1].window)[2]
+    table = {ML1: math.exp(median + ratio), ML2: 15.0, GN: 1.4, LOSS: 2.0}
+    eager.update(step, table)
+    default.update(step, table)
+    assert eager.escalate(step) == 3 and default.escalate(step) == 0

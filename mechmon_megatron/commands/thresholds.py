@@ -117,6 +117,10 @@ def render_table(table: dict[str, Any], as_json: bool = False) -> str:
         for rule, value in entry["rules"].items():
             lines.append(f"{head}{rule:18} {_value(value)}")
             head = " " * len(head)
+    esc = table["escalation"]
+    lines.append(f"escalation: {'on' if esc['enabled'] else 'off'}; looks after a sample at "
+                 f"{esc['trigger']:g} x its robust_z threshold, {esc['spacing']} step(s) apart, "
+                 f"at {esc['look_signals']} look signal(s)")
     return "\n".join(lines) + "\n"
 
 

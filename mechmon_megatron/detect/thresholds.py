@@ -97,11 +97,19 @@ def threshold_table(bank: Any) -> dict[str, Any]:
         p = bank.thresholds.get(family, {}).get("per_sample_probability")
         if p is not None:
             entry["per_sample_probability"] = float(p)
+        looked = {name: rule.config.threshold for name, rule in bank.looks.rules.items()
+                  if rule.family == family}
+        if looked:
+            rules[family]["robust_z_look"] = looked
         entry["rules"] = {label: _collapse(values)
                           for label, values in sorted(rules[family].items())}
         families[family] = entry
     return {"false_alarms_per_10k_steps": float(bank.config.false_alarms_per_10k_steps),
-            "watched_signals": len(bank.channels), "families": families}
+            "watched_signals": len(bank.channels), "families": families,
+            "escalation": {"enabled": bool(bank.config.escalation.enabled),
+                           "trigger": float(bank.config.escalation.trigger),
+                           "spacing": int(bank.config.escalation.spacing),
+                           "look_signals": len(bank.looks.rules)}}
 
 
 def _collapse(values: dict[str, float | None]) -> Any:

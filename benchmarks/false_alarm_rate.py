@@ -206,7 +206,7 @@ def monitor_names(layers: int, moe: bool = False) -> list[str]:
         names += [f"attn/delta2/entropy/layer_{layer}/min",
                   f"attn/layer_delta2/entropy/layer_{layer}",
                   f"attn/dwq/entropy/layer_{layer}/min", f"attn/dwk/entropy/layer_{layer}/min",
-                  f"attn/coherence/cos/layer_{layer}/max"]
+                  f"attn/coherence/cos/layer_{layer}/max", f"attn/max_logit/max/layer_{layer}"]
         names += [f"optim/update_ratio/{g}/layer_{layer}" for g in GROUPS]
         if moe:
             names += [f"router/{s}/layer_{layer}" for s in ("entropy_mean", "weight_cosine",
@@ -229,28 +229,51 @@ def _on_support(name: str, e: float) -> float:
 
 
 def whole_monitor(config: MechMonConfig, layers: int, noise: str, samples: int,
-                  interval: int = 100, moe: bool = False, seed: int = 0) -> tuple[int, int, int]:
-    """Alarms of the whole default monitor on independent noise in every signal.
+                  interval: int = 100, moe: bool = False,
+                  seed: int = 0) -> tuple[int, int, int, int]:
+    """Alarms of the whole default monitor on independent noise in every signal, escalation's
+    looks included (:func:`_look`).
 
     Returns:
-        (alarms, training steps after warm-up, watched signals).
+        (alarms, training steps after warm-up, watched signals, alarms raised at a look).
     """
     names = monitor_names(layers, moe)
     bank = DetectorBank(config.detectors, names, {f: interval for f in
                                                   ("attn", "router", "optim", "fp8", "global")})
     rng = random.Random(f"{seed}/{noise}/{layers}")
     series = {n: NOISES[noise](rng) for n in names}
+    fresh = {n: NOISES[noise](rng) for n in bank.looks.rules}
     warmup = config.detectors.warmup_samples
-    alarms = since_reset = observed = 0
+    alarms = since_reset = observed = at_looks = 0
     for sample in range(samples):
         since_reset += 1
         observed += since_reset > warmup
-        table = {n: _on_support(n, next(x) - 5.0) for n, x in series.items()}
-        if any(f.alarm for f in bank.update((sample + 1) * interval, table)):
+        step = (sample + 1) * interval
+        units = {n: next(x) - 5.0 for n, x in series.items()}
+        alarmed = any(f.alarm for f in bank.update(step, {n: _on_support(n, e)
+                                                          for n, e in units.items()}))
+        for i in range(1, 1 + (0 if alarmed else bank.escalate(step))):
+            look = {n: _on_support(n, _look(noise, units[n], i / interval, x, rng))
+                    for n, x in fresh.items()}
+            if any(f.alarm for f in bank.look(step + i, look)):
+                alarmed, at_looks = True, at_looks + 1
+                break
+        if alarmed:
             alarms += 1
             bank.reset()
             since_reset = 0
-    return alarms, observed * interval, len(bank.channels)
+    return alarms, observed * interval, len(bank.channels), at_looks
+
+
+def _look(noise: str, e: float, lag: float, fresh: Iterator[float], rng: random.Random) -> float:
+    """A look ``lag`` intervals after a regular sample of unit noise ``e``: for AR(1) noise the
+    same process sampled between its regular samples (an Ornstein-Uhlenbeck process whose
+    regular samples have lag-1 correlation phi: a look repeats its sample almost exactly, the
+    worst case for looks); for independent noise a fresh draw (a new batch)."""
+    if noise.startswith("ar1_"):
+        rho = float(noise.split("_")[1]) ** lag
+        return rho * e + math.sqrt(1.0 - rho * rho) * rng.gauss(0.0, 1.0)
+    return next(fresh) - 5.0
 
 
 def main() -> None:
@@ -270,15 +293,15 @@ def main() -> None:
     config = load_config({"detectors": detectors})
     if args.layers:
         print(f"whole monitor, {args.samples} samples at interval 100; false alarms per 10k "
-              "training steps (count), watched signals")
+              "training steps (count; of which at escalation's looks), watched signals")
         print("| layers | signals | gaussian | ar1_0.5 | ar1_0.8 | student3 |")
         print("| ---: | ---: | ---: | ---: | ---: | ---: |")
         for layers in (int(x) for x in args.layers.split(",")):
             cells = []
             for noise in ("gaussian", "ar1_0.5", "ar1_0.8", "student3"):
-                alarms, steps, watched = whole_monitor(config, layers, noise, args.samples,
-                                                       moe=args.moe)
-                cells.append(f"{1e4 * alarms / steps:.4f} ({alarms})")
+                alarms, steps, watched, looks = whole_monitor(config, layers, noise,
+                                                              args.samples, moe=args.moe)
+                cells.append(f"{1e4 * alarms / steps:.4f} ({alarms}; {looks})")
             print(f"| {layers} | {watched} | {' | '.join(cells)} |", flush=True)
         return
     print(

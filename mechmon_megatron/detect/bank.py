@@ -197,7 +197,8 @@ class DetectorBank:
                 self.kinds.setdefault(kind, []).append(channel.baseline)
         self._pooled = {kind: 0 for kind in self.kinds}
         self.alarming: list[Finding] = []
-        self.looks = Looks(config.escalation, self.channels, looked, self.jumps, self.logs)
+        self.looks = Looks(config.escalation, self.channels, looked, self.jumps, self.logs,
+                           config.warmup_samples)
         """Escalation's look rules (detect/looks.py)."""
 
     def _resolved(self, fam: FamilyDetectorConfig, family: str,
@@ -283,6 +284,7 @@ class DetectorBank:
             Findings of this step, ordered by signal name, then detector order.
         """
         findings: list[Finding] = []
+        self.looks.observe(signals)
         relative = self.peers.transform(signals)
         fed: dict[str, float] = {}
         for name, channel in self.channels.items():
@@ -357,6 +359,7 @@ class DetectorBank:
             "alarming": [f.to_dict() for f in self.alarming],
             "jumps": {name: j.state_dict() for name, j in self.jumps.items()},
             "pools": {name: p.state_dict() for name, p in self.pools.items()},
+            "looks": self.looks.state_dict(),
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -373,7 +376,7 @@ class DetectorBank:
                 jump.load_state_dict(sd["jumps"][name])
         self._pooled = {kind: sum(b.ready for b in bs) for kind, bs in self.kinds.items()}
         self.alarming = [Finding(**f) for f in sd["alarming"]]
-        self.looks.cancel()
+        self.looks.load_state_dict(sd.get("looks", {}))
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -6,29 +6,44 @@ family's ``look_signals`` are quantities of the step's own batch and weights (th
 where the core attention resets it every step, the routing entropy and load), so they can be
 sampled at any step. When a regular sample at step t has some watched signal's oriented z at or
 above ``trigger`` times its family's robust-z threshold (any family, ``global`` included: a loss
-or grad-norm jump), the orchestrator takes ``n - 1`` looks, at ``t + spacing``, ``t + 2
-spacing``, ... (its consensus makes every rank take the same ones), and each look signal is
-judged by its robust-z rule over the sequence (regular sample, look 1, ..., look n - 1)::
+or grad-norm jump), the orchestrator takes ``n - 1`` looks at ``t + spacing``, ``t + 2
+spacing``, ... (its consensus makes every rank take the same ones).
 
-    look value v = log(x) - median(trailing window)   (jump signals; the window of the regular
-                 = log(max(x, 1e-6))                    samples, which looks never enter)
-                 = x                                    (others)
-    s = orient((v - location) / scale)                  (the signal's baseline, which looks never
-                                                         enter either)
-    alarm when s > threshold and k of the sequence's samples exceed (onset: the first of them)
+A look is judged in the space the signal's rules see, against the regular sample's references
+(its baseline; for a jump signal the trailing median the regular sample was judged against),
+which looks never enter::
 
-The finding is ``robust_z_look``; it latches the signal's robust-z rule. Looks never change a
-baseline, a trailing window or a regular rule's history: between two regular samples the
-monitor is the one it was, plus this one extra k-of-n chance per look signal.
+    v = log(x) - median(window at t)   (jump signals)    log(max(x, 1e-6))   (log signals)    x
+    z_i = (v_i - location) / scale     (z_0: the regular sample's)
 
-Budget. Under the healthy null a look is an independent sample of its signal (a new batch; the
-regular sample's own evidence is counted once, as the sequence's first element), so the look
-rule of a signal fires with the k-of-n probability of one regular sample at most once per
-regular sample: each look signal counts twice among the budget's watched signals
-(detect/budget.py). A signal whose per-step value is a running max (megatron-core's
-``--log-max-attention-logit`` alone) repeats its regular sample: its monitor takes no looks.
+Step to step a healthy per-step signal is not independent: a head whose largest logit comes
+from a fixed pattern moves smoothly with the weights (recorded runs: lag-1 correlation of the
+per-step max logit 0.02-0.99), and a look would repeat its regular sample. Looks are therefore
+judged as a residual chart of a per-step AR(1) of correlation ``rho`` (per signal kind, the same
+name in every layer)::
 
-Escalation is not state: a resume drops looks in flight (the next regular sample goes on).
+    u_i = (z_i - rho z_(i-1)) / sqrt(1 - rho^2)        s_i = min(s(z_i), s(u_i))
+    alarm: s_i > threshold on k of the sequence (regular sample, look 1, ...)
+
+A look must stand out both as a sample and as an innovation: the residuals are independent
+unit-variance samples under the healthy null when ``rho`` is right, and the marginal z is when
+the looks are independent, so a misjudged ``rho`` cannot make a look more alarming than either
+reading. Each look signal's rule then fires with at most the k-of-n probability of one regular
+sample, at most once per regular sample: each look signal counts twice among the budget's
+watched signals (detect/budget.py). A fault that writes the signal step after step moves each
+residual by its growth per step.
+
+Calibration. ``rho`` comes from the run: at the first ``warmup_samples`` regular samples with
+look signals observed (while the baselines form), the orchestrator takes one look each, and
+``d = v_look - v_regular`` is kept; once the signal's baseline has formed, ``s = 1.4826
+median(|d| / scale)`` over the kind gives ``rho = 1 - s^2 / 2`` (the variogram of a stationary
+series, ``E d^2 = 2 sigma^2 (1 - rho)``), with ``s`` shrunk by one standard error, so ``rho`` is
+over- rather than under-stated, clipped to ``[0, MAX_RHO]``. A look signal never calibrated
+(its monitor takes no looks: a running max) is never judged on a look.
+
+The finding is ``robust_z_look``; it latches the signal's robust-z rule. Escalation's
+calibration is state (it travels with the checkpoint); looks in flight are not (a resume drops
+them; the next regular sample goes on).
 """
 
 from __future__ import annotations
@@ -36,17 +51,25 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping
+from typing import Any
 
 from mechmon_megatron.config import EscalationConfig
 from mechmon_megatron.detect.base import Finding, orient
 from mechmon_megatron.detect.channel import SignalChannel
 from mechmon_megatron.detect.detectors import RobustZ
 from mechmon_megatron.detect.jumps import FLOOR, TrailingJump
+from mechmon_megatron.detect.peers import LAYER
 
-__all__ = ["Looks", "LOOK_DETECTOR"]
+__all__ = ["Looks", "LOOK_DETECTOR", "MAX_RHO"]
 
 LOOK_DETECTOR = "robust_z_look"
 """Detector name of a look's finding."""
+
+MAX_RHO = 0.99
+"""Largest step-to-step correlation credited (a look then needs a residual 7x its z)."""
+
+MIN_PAIRS = 10
+"""Calibration pairs a kind needs before its looks are judged."""
 
 
 class Looks:
@@ -58,34 +81,66 @@ class Looks:
         looked: names of the look signals (each has a robust-z rule).
         jumps: the bank's trailing windows of its jump signals.
         logs: the bank's log-scale signals.
+        calibration: calibration looks to take (``detectors.warmup_samples``).
     """
 
     def __init__(self, config: EscalationConfig, channels: Mapping[str, SignalChannel],
-                 looked: list[str], jumps: Mapping[str, TrailingJump], logs: set[str]) -> None:
+                 looked: list[str], jumps: Mapping[str, TrailingJump], logs: set[str],
+                 calibration: int) -> None:
         self.config, self.channels, self.jumps, self.logs = config, channels, jumps, logs
         self.rules = {name: _robust_z(channels[name]) for name in looked}
+        self.kinds = {name: LAYER.sub("layer_*", name, count=1) for name in looked}
+        self.calibration = calibration
+        self.calibrated = 0
+        """Calibration looks taken."""
+        self.diffs: dict[str, list[float]] = {name: [] for name in looked}
+        """Per look signal, ``v_look - v_regular`` of its calibration looks."""
         self.pending = 0
-        """Looks still to take for the current sequence (0: none in flight)."""
-        self.sequences: dict[str, list[tuple[int, bool]]] = {}
+        """Looks still to take for the sequence in flight (0: none)."""
+        self.calibrating = False
+        self.regular: dict[str, tuple[float, float | None]] = {}
+        self.sequences: dict[str, list[tuple[int, bool, float]]] = {}
 
     @property
     def active(self) -> bool:
         """Whether escalation can take looks at all (enabled, with look signals)."""
         return self.config.enabled and bool(self.rules)
 
+    def observe(self, signals: Mapping[str, float]) -> None:
+        """A regular sample's look-signal values, before the bank takes them: ``(v, median of
+        the trailing window)`` (the median only for jump signals)."""
+        self.regular = {}
+        for name in self.rules:
+            x = signals.get(name, math.nan)
+            if not math.isfinite(x):
+                continue
+            if name in self.jumps:
+                jump = self.jumps[name]
+                if len(jump.window) == jump.size:
+                    ref = statistics.median(jump.window)
+                    self.regular[name] = (math.log(max(x, FLOOR)) - ref, ref)
+            else:
+                self.regular[name] = (_log(x) if name in self.logs else x, None)
+
     def trigger(self, step: int) -> int:
         """After the regular sample of ``step``: the number of looks to take (0: none).
 
-        Starts a sequence (dropping one in flight) when some channel's robust z judged this
-        step at or above ``trigger`` x its threshold; the sequence of each look signal opens
-        with this sample's own verdict (not exceeded where it was not judged)."""
-        if not self.active or not any(self._suspect(c, step) for c in self.channels.values()):
+        A calibration look while calibration lasts; else a sequence (dropping one in flight)
+        when some channel's robust z judged this step at or above ``trigger`` x its threshold.
+        Each look signal's sequence opens with this sample's own verdict and marginal z."""
+        self.pending, self.calibrating = 0, False
+        if not self.active or not self.regular:
+            return 0
+        if self.calibrated < self.calibration:
+            self.pending, self.calibrating = 1, True
+            return 1
+        if not any(self._suspect(c, step) for c in self.channels.values()):
             return 0
         self.sequences = {}
         for name, rule in self.rules.items():
             judged = rule.judged if rule.judged is not None and rule.judged[0] == step else None
-            self.sequences[name] = [(step, judged is not None
-                                     and judged[1] > rule.config.threshold)]
+            if judged is not None and rule.last_z is not None:
+                self.sequences[name] = [(step, judged[1] > rule.config.threshold, rule.last_z)]
         self.pending = max(rule.config.n for rule in self.rules.values()) - 1
         return self.pending
 
@@ -94,35 +149,72 @@ class Looks:
         if not self.pending:
             return []
         self.pending -= 1
+        if self.calibrating:
+            self._calibrate(table)
+            return []
         findings = []
-        for name, rule in self.rules.items():
-            x = table.get(name, math.nan)
-            if rule.latched or math.isnan(x) or not rule.baseline.ready:
-                continue
-            v = self._value(name, x)
-            if not math.isfinite(v):
-                continue
-            s = orient(rule.baseline.z(v), rule.direction)
-            seq = (self.sequences.get(name, []) + [(step, s > rule.config.threshold)])
-            seq = seq[-rule.config.n:]
-            self.sequences[name] = seq
-            hits = [t for t, exceeded in seq if exceeded]
-            if not (seq[-1][1] and len(hits) >= rule.config.k):
-                continue
-            if rule.floor is not None and not x >= rule.floor:
-                continue
-            b = rule.baseline
-            rule.latched = True
-            findings.append(Finding(LOOK_DETECTOR, name, rule.family, step, hits[0], x,
-                                    b.location, b.scale, s, rule.alarm,
-                                    threshold=rule.config.threshold))
+        for name, seq in self.sequences.items():
+            finding = self._judge(name, seq, step, table.get(name, math.nan))
+            if finding is not None:
+                findings.append(finding)
         if not self.pending:
             self.sequences = {}
         return findings
 
     def cancel(self) -> None:
         """Drop the looks in flight (a resume, a reset)."""
-        self.pending, self.sequences = 0, {}
+        self.pending, self.calibrating, self.sequences = 0, False, {}
+
+    def rho(self, name: str) -> float | None:
+        """The credited step-to-step correlation of ``name``'s kind (None: not calibrated)."""
+        kind = self.kinds[name]
+        ratios = [abs(d) / self.rules[n].baseline.scale for n, k in self.kinds.items()
+                  if k == kind and self.rules[n].baseline.ready for d in self.diffs[n]]
+        if len(ratios) < MIN_PAIRS:
+            return None
+        s = 1.4826 * statistics.median(ratios) * max(0.0, 1.0 - 1.2 / math.sqrt(len(ratios)))
+        return min(max(1.0 - s * s / 2.0, 0.0), MAX_RHO)
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able calibration (looks in flight are not state)."""
+        return {"calibrated": self.calibrated, "diffs": {k: list(v) for k, v in self.diffs.items()}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (signals it lacks start uncalibrated)."""
+        self.cancel()
+        self.calibrated = int(sd.get("calibrated", 0))
+        for name, diffs in sd.get("diffs", {}).items():
+            if name in self.diffs:
+                self.diffs[name] = [float(d) for d in diffs]
+
+    def _calibrate(self, table: Mapping[str, float]) -> None:
+        self.calibrated += 1
+        for name, (v, ref) in self.regular.items():
+            look = self._value(name, table.get(name, math.nan), ref)
+            if math.isfinite(look):
+                self.diffs[name] = (self.diffs[name] + [look - v])[-4 * self.calibration:]
+
+    def _judge(self, name: str, seq: list[tuple[int, bool, float]], step: int,
+               x: float) -> Finding | None:
+        rule, rho = self.rules[name], self.rho(name)
+        ref = self.regular.get(name, (math.nan, None))[1]
+        v = self._value(name, x, ref)
+        if rule.latched or rho is None or not math.isfinite(v):
+            return None
+        z = rule.baseline.z(v)
+        u = (z - rho * seq[-1][2]) / math.sqrt(1.0 - rho * rho)
+        s = min(orient(z, rule.direction), orient(u, rule.direction))
+        seq.append((step, s > rule.config.threshold, z))
+        del seq[:-rule.config.n]
+        hits = [t for t, exceeded, _ in seq if exceeded]
+        if not (seq[-1][1] and len(hits) >= rule.config.k):
+            return None
+        if rule.floor is not None and not x >= rule.floor:
+            return None
+        rule.latched = True
+        b = rule.baseline
+        return Finding(LOOK_DETECTOR, name, rule.family, step, hits[0], x, b.location, b.scale,
+                       s, rule.alarm, threshold=rule.config.threshold)
 
     def _suspect(self, channel: SignalChannel, step: int) -> bool:
         for d in channel.detectors:
@@ -131,16 +223,18 @@ class Looks:
                     return True
         return False
 
-    def _value(self, name: str, x: float) -> float:
-        """What the signal's rules see of ``x`` (jump: against the regular samples' window)."""
+    def _value(self, name: str, x: float, ref: float | None) -> float:
+        """What the signal's rules see of ``x`` (jump signals: against ``ref``, the median the
+        regular sample was judged against)."""
+        if not math.isfinite(x):
+            return math.nan
         if name in self.jumps:
-            window = self.jumps[name].window
-            if not math.isfinite(x) or len(window) < self.jumps[name].size:
-                return math.nan
-            return math.log(max(x, FLOOR)) - statistics.median(window)
-        if name in self.logs:
-            return math.log(max(x, 1e-6)) if math.isfinite(x) else x
-        return x
+            return math.nan if ref is None else math.log(max(x, FLOOR)) - ref
+        return _log(x) if name in self.logs else x
+
+
+def _log(x: float) -> float:
+    return math.log(max(x, 1e-6))
 
 
 def _robust_z(channel: SignalChannel) -> RobustZ:

@@ -9,7 +9,7 @@ from mechmon_megatron.config import load_config
 from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.monitor import MechMon
 from tests._dist import run_distributed
-from tests.unit.test_escalation import INTERVAL, LogitMonitor
+from tests.unit.test_escalation import CALIBRATION, INTERVAL, LogitMonitor
 
 
 class NoLooks(DetectorBank):
@@ -38,4 +38,4 @@ def _ranks(rank: int, world_size: int, root: str) -> tuple:
 
 def test_every_rank_takes_the_looks_that_one_rank_asked_for(tmp_path) -> None:
     results = run_distributed(_ranks, 2, str(tmp_path), timeout=120)
-    assert results[0] == results[1] == ([3101, 3102, 3103], 3102)
+    assert results[0] == results[1] == (CALIBRATION + [3101, 3102, 3103], 3102)

@@ -17,6 +17,9 @@ from mechmon_megatron.sinks import JsonlSink
 
 ML = "attn/max_logit/max/layer_{}"
 INTERVAL = 100
+CALIBRATION = [100 * i + 1 for i in range(6, 26)]
+"""One look after each of the first 20 regular samples with a full trailing window (the max
+logit is a jump signal: 5 samples) calibrates the step-to-step correlation (detect/looks.py)."""
 
 
 class LogitMonitor(Looks):
@@ -106,10 +109,10 @@ def test_a_fault_that_grows_within_an_interval_is_named_attention_at_a_look(tmp_
     # 3100: x1.05^80 = 50: a jump; looks at 3101, 3102 confirm it.
     assert alarm is not None and alarm.fault_class == "attention"
     assert (alarm.onset_step, alarm.alarm_step) == (3100, 3102)
-    assert [s for s in logit_steps if s % INTERVAL] == [3101, 3102, 3103]
+    assert [s for s in logit_steps if s % INTERVAL] == CALIBRATION + [3101, 3102, 3103]
     assert all(s % INTERVAL == 0 for s in window_steps)
     looks = [r["step"] for r in rows if r["look"]]
-    assert looks == [3101, 3102, 3103]
+    assert looks == CALIBRATION + [3101, 3102, 3103]
     assert all(math.isnan(r["signals"]["attn/coherence/cos/layer_1/max"] or math.nan)
                for r in rows if r["look"])
 
@@ -120,7 +123,7 @@ def test_without_escalation_the_same_fault_waits_for_regular_samples(tmp_path):
     assert alarm is not None and alarm.alarm_step == 3300
 
 
-def test_a_healthy_run_takes_no_look_and_stays_silent(tmp_path):
+def test_a_healthy_run_takes_only_the_calibration_looks_and_stays_silent(tmp_path):
     alarm, logit_steps, _, rows = _run(tmp_path, fault=None, steps=6000)
-    assert alarm is None and all(s % INTERVAL == 0 for s in logit_steps)
-    assert not any(r["look"] for r in rows)
+    assert alarm is None and [s for s in logit_steps if s % INTERVAL] == CALIBRATION
+    assert [r["step"] for r in rows if r["look"]] == CALIBRATION

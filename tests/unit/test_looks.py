@@ -21,8 +21,10 @@ def _bank(**escalation) -> DetectorBank:
     return DetectorBank(config, NAMES)
 
 
-def _healthy(bank: DetectorBank, samples: int = 40, seed: int = 0) -> int:
-    """Feed ``samples`` regular samples of healthy noise; returns the last step."""
+def _healthy(bank: DetectorBank, samples: int = 40, seed: int = 0, smooth: float = 0.0) -> int:
+    """Feed ``samples`` regular samples of healthy noise, and the calibration looks the bank
+    asks for: the regular value times ``exp(0.05 e)`` (a new batch), or with ``smooth``, times
+    ``exp(smooth e)`` (a signal that moves little from step to step); returns the last step."""
     rng = random.Random(seed)
     step = 0
     for i in range(samples):
@@ -31,7 +33,12 @@ def _healthy(bank: DetectorBank, samples: int = 40, seed: int = 0) -> int:
                  ML2: 15 * math.exp(0.05 * rng.gauss(0, 1)),
                  GN: 1.4 * math.exp(0.05 * rng.gauss(0, 1)), LOSS: 2.0}
         assert bank.update(step, table) == []
-        bank.escalate(step)
+        for j in range(1, bank.escalate(step) + 1):
+            look = {ML1: 16 * math.exp(0.05 * rng.gauss(0, 1)),
+                    ML2: 15 * math.exp(0.05 * rng.gauss(0, 1))}
+            if smooth:
+                look = {n: table[n] * math.exp(smooth * rng.gauss(0, 1)) for n in (ML1, ML2)}
+            assert bank.look(step + j, look) == []
     return step
 
 
@@ -118,3 +125,48 @@ def test_the_trigger_is_a_fraction_of_the_threshold():
     eager.update(step, table)
     default.update(step, table)
     assert eager.escalate(step) == 3 and default.escalate(step) == 0
+
+
+def test_calibration_credits_the_step_to_step_correlation_of_the_run():
+    smooth, batch = _bank(), _bank()
+    _healthy(smooth, smooth=0.002)
+    _healthy(batch)
+    assert smooth.looks.calibrated == batch.looks.calibrated == 20
+    assert smooth.looks.rho(ML1) > 0.95 and batch.looks.rho(ML1) < 0.7
+
+
+def test_on_a_smooth_signal_a_level_that_holds_is_not_a_fault_but_growth_is():
+    bank = _bank()
+    step = _healthy(bank, smooth=0.002) + 100
+    bank.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    assert bank.escalate(step) == 3
+    # The looks repeat the sample (a smooth signal): no new evidence.
+    assert [bank.look(step + i, {ML1: 60.0 * (1 + 0.001 * i), ML2: 15.0})
+            for i in (1, 2, 3)] == [[], [], []]
+    grown = _bank()
+    step = _healthy(grown, smooth=0.002) + 100
+    grown.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    assert grown.escalate(step) == 3
+    assert grown.look(step + 1, {ML1: 66.0}) == []
+    assert [f.signal for f in grown.look(step + 2, {ML1: 72.6})] == [ML1]
+
+
+def test_a_look_signal_never_calibrated_is_never_judged_and_calibration_is_state():
+    bank = _bank()
+    rng = random.Random(1)
+    for i in range(40):  # the monitor takes no looks: every look leaves ML1 and ML2 out
+        step = 100 * (i + 1)
+        bank.update(step, {ML1: 16 * math.exp(0.05 * rng.gauss(0, 1)), ML2: 15.0,
+                           GN: 1.4 * math.exp(0.05 * rng.gauss(0, 1)), LOSS: 2.0})
+        for j in range(1, bank.escalate(step) + 1):
+            bank.look(step + j, {})
+    assert bank.looks.calibrated == 20 and bank.looks.rho(ML1) is None
+    bank.update(4100, {ML1: 80.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    assert bank.escalate(4100) == 3
+    assert [bank.look(4100 + i, {ML1: 80.0 * 1.5 ** i}) for i in (1, 2, 3)] == [[], [], []]
+    calibrated = _bank()
+    _healthy(calibrated)
+    restored = _bank()
+    restored.load_state_dict(copy.deepcopy(calibrated.state_dict()))
+    assert restored.looks.calibrated == 20
+    assert restored.looks.rho(ML1) == calibrated.looks.rho(ML1)

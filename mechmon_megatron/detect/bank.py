@@ -164,10 +164,11 @@ class DetectorBank:
         rules = [(name, fam) for name, _, fam in watched
                  if not _matches(name, fam.bound_only) and name not in self._members]
         # Look signals: per-step signals with a robust-z rule of their own (not judged
-        # against peers); each prices a second k-of-n rule (detect/looks.py).
+        # against peers); each prices two more rules, its looks' innovation and level readings
+        # (detect/looks.py).
         looked = [name for name, fam in rules if fam.robust_z.enabled and name not in self.peers
                   and _matches(name, fam.look_signals)] if config.escalation.enabled else []
-        priced = len(members) + len(rules) + len(looked)
+        priced = len(members) + len(rules) + 2 * len(looked)
         resolved = {}
         for name, family, fam in watched:
             resolved[family] = self._resolved(fam, family, priced)

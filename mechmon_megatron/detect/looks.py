@@ -23,15 +23,21 @@ judged as a residual chart of a per-step AR(1) of correlation ``rho`` (per signa
 name in every layer)::
 
     u_i = (z_i - rho z_(i-1)) / sqrt(1 - rho^2)        s_i = min(s(z_i), s(u_i))
-    alarm: s_i > threshold on k of the sequence (regular sample, look 1, ...)
+    innovation: s_i > threshold on k of the sequence (regular sample, look 1, ...)
+    level:      s(z_i) > single_threshold on k of the sequence
 
-A look must stand out both as a sample and as an innovation: the residuals are independent
-unit-variance samples under the healthy null when ``rho`` is right, and the marginal z is when
-the looks are independent, so a misjudged ``rho`` cannot make a look more alarming than either
-reading. Each look signal's rule then fires with at most the k-of-n probability of one regular
-sample, at most once per regular sample: each look signal counts twice among the budget's
-watched signals (detect/budget.py). A fault that writes the signal step after step moves each
-residual by its growth per step.
+Innovation: a look must stand out both as a sample and as an innovation: the residuals are
+independent unit-variance samples under the healthy null when ``rho`` is right, and the marginal
+z is when the looks are independent, so a misjudged ``rho`` cannot make a look more alarming
+than either reading; this rule then fires with at most the k-of-n probability of one regular
+sample. A fault that writes the signal step after step moves each residual by its growth per
+step, but on a smooth signal (``rho`` near 1) a growth of a few percent per step is within the
+step-to-step noise for a few looks. Level: a regular sample beyond the robust-z rule's
+single-sample threshold (what one sample alone may show under the budget, ~7-12 scales) that
+the looks find still there; under full correlation this is one sample at that threshold, under
+independence k of them. Each rule fires at most once per regular sample, so each look signal
+counts three times among the budget's watched signals (its regular rule and the two look
+readings; detect/budget.py).
 
 Calibration. ``rho`` comes from the run: at the first ``warmup_samples`` regular samples with
 look signals observed (while the baselines form), the orchestrator takes one look each, and
@@ -99,7 +105,7 @@ class Looks:
         """Looks still to take for the sequence in flight (0: none)."""
         self.calibrating = False
         self.regular: dict[str, tuple[float, float | None]] = {}
-        self.sequences: dict[str, list[tuple[int, bool, float]]] = {}
+        self.sequences: dict[str, list[tuple[int, bool, bool, float]]] = {}
 
     @property
     def active(self) -> bool:
@@ -140,7 +146,9 @@ class Looks:
         for name, rule in self.rules.items():
             judged = rule.judged if rule.judged is not None and rule.judged[0] == step else None
             if judged is not None and rule.last_z is not None:
-                self.sequences[name] = [(step, judged[1] > rule.config.threshold, rule.last_z)]
+                level = orient(rule.last_z, rule.direction)
+                self.sequences[name] = [(step, judged[1] > rule.config.threshold,
+                                         level > rule.config.single_threshold, rule.last_z)]
         self.pending = max(rule.config.n for rule in self.rules.values()) - 1
         return self.pending
 
@@ -194,7 +202,7 @@ class Looks:
             if math.isfinite(look):
                 self.diffs[name] = (self.diffs[name] + [look - v])[-4 * self.calibration:]
 
-    def _judge(self, name: str, seq: list[tuple[int, bool, float]], step: int,
+    def _judge(self, name: str, seq: list[tuple[int, bool, bool, float]], step: int,
                x: float) -> Finding | None:
         rule, rho = self.rules[name], self.rho(name)
         ref = self.regular.get(name, (math.nan, None))[1]
@@ -202,19 +210,23 @@ class Looks:
         if rule.latched or rho is None or not math.isfinite(v):
             return None
         z = rule.baseline.z(v)
-        u = (z - rho * seq[-1][2]) / math.sqrt(1.0 - rho * rho)
-        s = min(orient(z, rule.direction), orient(u, rule.direction))
-        seq.append((step, s > rule.config.threshold, z))
-        del seq[:-rule.config.n]
-        hits = [t for t, exceeded, _ in seq if exceeded]
-        if not (seq[-1][1] and len(hits) >= rule.config.k):
-            return None
-        if rule.floor is not None and not x >= rule.floor:
-            return None
-        rule.latched = True
-        b = rule.baseline
-        return Finding(LOOK_DETECTOR, name, rule.family, step, hits[0], x, b.location, b.scale,
-                       s, rule.alarm, threshold=rule.config.threshold)
+        u = (z - rho * seq[-1][3]) / math.sqrt(1.0 - rho * rho)
+        level = orient(z, rule.direction)
+        s = min(level, orient(u, rule.direction))
+        cfg = rule.config
+        seq.append((step, s > cfg.threshold, level > cfg.single_threshold, z))
+        del seq[:-cfg.n]
+        for reading, threshold, score in ((1, cfg.threshold, s), (2, cfg.single_threshold, level)):
+            hits = [item[0] for item in seq if item[reading]]
+            if not (seq[-1][reading] and len(hits) >= cfg.k):
+                continue
+            if rule.floor is not None and not x >= rule.floor:
+                return None
+            rule.latched = True
+            b = rule.baseline
+            return Finding(LOOK_DETECTOR, name, rule.family, step, hits[0], x, b.location,
+                           b.scale, score, rule.alarm, threshold=threshold)
+        return None
 
     def _suspect(self, channel: SignalChannel, step: int) -> bool:
         for d in channel.detectors:

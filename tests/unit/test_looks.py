@@ -103,12 +103,12 @@ def test_no_evidence_no_looks_and_disabled_escalation_takes_none():
     assert off.escalate(step) == 0 and not off.looks.active
 
 
-def test_each_look_signal_is_priced_twice_in_the_budget():
+def test_each_look_signal_is_priced_three_times_in_the_budget():
     on, off = _bank(), _bank(enabled=False)
     p_on = on.thresholds["attn"]["per_sample_probability"]
     p_off = off.thresholds["attn"]["per_sample_probability"]
-    # attn: 2 max-logit channels; global: 2 jump channels. Looks add 2 priced rules.
-    assert math.isclose(p_off / p_on, 6 / 4)
+    # attn: 2 max-logit channels; global: 2 jump channels. Looks add 2 x 2 priced rules.
+    assert math.isclose(p_off / p_on, 8 / 4)
     assert on.thresholds["attn"]["robust_z"] > off.thresholds["attn"]["robust_z"]
 
 
@@ -135,20 +135,38 @@ def test_calibration_credits_the_step_to_step_correlation_of_the_run():
     assert smooth.looks.rho(ML1) > 0.95 and batch.looks.rho(ML1) < 0.7
 
 
-def test_on_a_smooth_signal_a_level_that_holds_is_not_a_fault_but_growth_is():
+def _jump(bank: DetectorBank, z: float) -> float:
+    """The max logit of layer 1 whose jump reads ``z`` baseline scales."""
+    b = bank.channels[ML1].baseline
+    median = sorted(bank.jumps[ML1].window)[len(bank.jumps[ML1].window) // 2]
+    return math.exp(median + b.location + z * b.scale)
+
+
+def test_on_a_smooth_signal_a_moderate_level_that_holds_is_not_a_fault_but_growth_is():
+    for grow, found in ((1.001, []), (1.1, [ML1])):
+        bank = _bank()
+        step = _healthy(bank, smooth=0.002) + 100
+        rule = bank.channels[ML1].detectors[0]
+        # Beyond the k-of-n threshold, below the single-sample one.
+        x = _jump(bank, (rule.config.threshold + rule.config.single_threshold) / 2)
+        bank.update(step, {ML1: x, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+        assert bank.escalate(step) == 3
+        # Smooth: looks that repeat the sample bring no new evidence; growth does.
+        out = [f.signal for i in (1, 2, 3) for f in bank.look(step + i, {ML1: x * grow ** i})]
+        assert out == found
+
+
+def test_a_level_beyond_the_single_sample_threshold_that_holds_is_named_at_the_second_look():
     bank = _bank()
     step = _healthy(bank, smooth=0.002) + 100
-    bank.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
+    rule = bank.channels[ML1].detectors[0]
+    x = _jump(bank, 1.5 * rule.config.single_threshold)
+    bank.update(step, {ML1: x, ML2: 15.0, GN: 1.4, LOSS: 2.0})
     assert bank.escalate(step) == 3
-    # The looks repeat the sample (a smooth signal): no new evidence.
-    assert [bank.look(step + i, {ML1: 60.0 * (1 + 0.001 * i), ML2: 15.0})
-            for i in (1, 2, 3)] == [[], [], []]
-    grown = _bank()
-    step = _healthy(grown, smooth=0.002) + 100
-    grown.update(step, {ML1: 60.0, ML2: 15.0, GN: 1.4, LOSS: 2.0})
-    assert grown.escalate(step) == 3
-    assert grown.look(step + 1, {ML1: 66.0}) == []
-    assert [f.signal for f in grown.look(step + 2, {ML1: 72.6})] == [ML1]
+    assert bank.look(step + 1, {ML1: x}) == []
+    found = bank.look(step + 2, {ML1: x})
+    assert [(f.step, f.onset_step, f.threshold) for f in found] == [
+        (step + 2, step, rule.config.single_threshold)]
 
 
 def test_a_look_signal_never_calibrated_is_never_judged_and_calibration_is_state():

@@ -135,7 +135,7 @@ class _Trainer(CheckpointState):
         from megatron.core import parallel_state as ps
 
         from mechmon_megatron.faults import Faults, install_bf16_attention, param_groups
-        from mechmon_megatron.integrations.megatron_core import attach
+        from mechmon_megatron.integrations.megatron.core import attach
         from mechmon_megatron.train.model import build_gpt, init_parallel
 
         self.cfg = cfg

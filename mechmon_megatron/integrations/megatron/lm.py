@@ -20,7 +20,7 @@ arguments)::
         checkpoint_and_decide_exit      [wrapped] after an alarm: save, return True
       save_checkpoint                   [wrapped] + mechmon_rank{r}.pt and mechmon/ (the sharded
                                   QK snapshots) in every persistent checkpoint
-                                  (:mod:`~mechmon_megatron.integrations.megatron_state`)
+                                  (:mod:`~mechmon_megatron.integrations.megatron.checkpoint`)
       sys.exit(exit_code)               86 (actions.exit_code) after an alarm
 
 Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by MechMon):
@@ -41,9 +41,9 @@ Alarm with ``actions.on_alarm: checkpoint_and_exit`` (agreed on every rank by Me
    (:func:`process_exit_code`).
 
 :func:`install` first checks the version contract
-(:mod:`~mechmon_megatron.integrations.megatron_lm_contract`); a mismatch raises before anything
+(:mod:`~mechmon_megatron.integrations.megatron.lm_contract`); a mismatch raises before anything
 is wrapped. ``_train_step`` hands Megatron a ``forward_step_func`` that keeps the step's first
-micro-batch by reference (:mod:`~mechmon_megatron.integrations.megatron_lm_probe`), which the
+micro-batch by reference (:mod:`~mechmon_megatron.integrations.megatron.lm_probe`), which the
 optimizer monitor's sharpness probe replays after the update; the learning rate is the one the
 scheduler wrote into the optimizer's param groups.
 
@@ -61,7 +61,7 @@ Two ways in: the launcher ``python -m mechmon_megatron.launch.megatron pretrain_
 --mechmon-config cfg.yaml ...`` (strips the flag, then :func:`install`), or an edited
 ``pretrain_gpt.py`` (``patches/``) that calls :func:`install_from_argv` and composes
 :func:`add_mechmon_args` into Megatron's ``extra_args_provider`` (the flag and the exit codes:
-:mod:`~mechmon_megatron.integrations.megatron_lm_args`).
+:mod:`~mechmon_megatron.integrations.megatron.lm_args`).
 """
 
 from __future__ import annotations
@@ -78,13 +78,18 @@ from typing import Any
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import Restore, assemble
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.integrations.megatron_core import (
+from mechmon_megatron.integrations.megatron.checkpoint import (
+    restore_iteration,
+    save_state,
+    state_path,
+)
+from mechmon_megatron.integrations.megatron.core import (
     McoreFramework,
     force_param_sync,
     megatron_schedule,
     needs_param_sync,
 )
-from mechmon_megatron.integrations.megatron_lm_args import (
+from mechmon_megatron.integrations.megatron.lm_args import (
     FLAG,
     FT_LAUNCHER_ENV,
     add_mechmon_args,
@@ -94,13 +99,8 @@ from mechmon_megatron.integrations.megatron_lm_args import (
     process_exit_code,
     resolve_exit_code,
 )
-from mechmon_megatron.integrations.megatron_lm_contract import ContractError, check
-from mechmon_megatron.integrations.megatron_lm_probe import StepBatch
-from mechmon_megatron.integrations.megatron_state import (
-    restore_iteration,
-    save_state,
-    state_path,
-)
+from mechmon_megatron.integrations.megatron.lm_contract import ContractError, check
+from mechmon_megatron.integrations.megatron.lm_probe import StepBatch
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -416,7 +416,7 @@ def install(config: MechMonConfig, training: Any = None,
 
     Raises:
         ContractError: the imported Megatron-LM lacks a symbol the hooks rely on (see
-            :mod:`~mechmon_megatron.integrations.megatron_lm_contract`); nothing is installed.
+            :mod:`~mechmon_megatron.integrations.megatron.lm_contract`); nothing is installed.
     """
     global _INSTALLED
     if _INSTALLED is not None:

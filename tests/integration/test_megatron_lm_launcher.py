@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mechmon_megatron.integrations.megatron import lm
+from mechmon_megatron.integrations.megatron import lm, lm_hooks
 from mechmon_megatron.integrations.megatron import lm_contract as contract
 from mechmon_megatron.launch import megatron as launcher
 
@@ -628,11 +628,11 @@ def test_install_wraps_the_training_globals_and_uninstall_restores_them():
     hooks = lm.install(load_config({}), training=module, signal_module=signals)
     try:
         assert lm.install(load_config({}), training=module) is hooks
-        for name in lm.HOOKED:
+        for name in lm_hooks.HOOKED:
             assert getattr(module, name) is not originals[name]
     finally:
         lm.uninstall()
-    for name in lm.HOOKED:
+    for name in lm_hooks.HOOKED:
         assert getattr(module, name) is originals[name]
 
 

@@ -466,7 +466,7 @@ def test_the_readmes_cpu_dry_run_runs_as_written_and_computes_every_family(tmp_p
 
     # Every family the dense model has, computed within 20 iterations (the first QK update at 4).
     last = rows[-1]
-    for prefix in ("attn/delta2/entropy/layer_", "attn/layer_delta2/", "optim/update_ratio/",
+    for prefix in ("attn/delta2/entropy/layer_", "attn/layer_delta2/", "optim/update_ratio_step/",
                    "optim/sharpness/eos_ratio", "global/loss", "global/grad_norm"):
         assert observed(prefix, last) > 0, (prefix, sorted(last["signals"])[:20])
     assert all(observed("attn/delta2/", r) > 0 for r in rows[1:])

@@ -63,6 +63,7 @@ from mechmon_megatron.assembly import Restore, assemble
 from mechmon_megatron.config import MechMonConfig, load_config
 from mechmon_megatron.integrations.megatron.bridge_probe import ForwardBatch
 from mechmon_megatron.integrations.megatron.checkpoint import (
+    iteration_dir,
     restore_iteration,
     save_state,
     state_path,
@@ -80,10 +81,6 @@ __all__ = ["BridgeActions", "BridgeFramework", "MechMonCallback", "state_path"]
 
 TRAIN_MODULE = "megatron.bridge.training.train"
 LOSS_KEY = "lm loss"
-
-
-def _iteration_dir(save: str, iteration: int) -> str:
-    return os.path.join(save, f"iter_{iteration:07d}")
 
 
 class BridgeActions:
@@ -104,7 +101,7 @@ class BridgeActions:
                               "a checkpoint", RuntimeWarning, stacklevel=2)
             return None
         self.save_step = int(step)
-        return _iteration_dir(save, int(step))
+        return iteration_dir(save, int(step))
 
     def request_exit(self, exit_code: int) -> None:
         """Set Bridge's exit-signal-handler flag; its loop saves and leaves after this step."""
@@ -237,7 +234,7 @@ class MechMonCallback:
             save = state.cfg.checkpoint.save
             if save and not kwargs.get("non_persistent_ckpt"):
                 step = int(state.train_state.step)
-                directory = _iteration_dir(save, step)
+                directory = iteration_dir(save, step)
                 self.mon.note_checkpoint(step, directory)
                 save_state(self.mon, directory, step)
             return result

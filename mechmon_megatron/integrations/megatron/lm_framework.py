@@ -8,7 +8,6 @@ the schedule, the sinks and the restored state of a Megatron-LM run.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -16,19 +15,14 @@ from typing import TYPE_CHECKING, Any
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import Restore
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.integrations.megatron.checkpoint import restore_iteration
+from mechmon_megatron.integrations.megatron.checkpoint import iteration_dir, restore_iteration
 from mechmon_megatron.integrations.megatron.core import McoreFramework, megatron_schedule
 from mechmon_megatron.sinks import build_sinks
 
 if TYPE_CHECKING:
     from mechmon_megatron.integrations.megatron.lm_hooks import MegatronLMHooks
 
-__all__ = ["MegatronLMActions", "MegatronLMFramework", "iteration_dir"]
-
-
-def iteration_dir(save: str, iteration: int) -> str:
-    """``<save>/iter_NNNNNNN``, Megatron's directory of a checkpoint iteration."""
-    return os.path.join(save, f"iter_{iteration:07d}")
+__all__ = ["MegatronLMActions", "MegatronLMFramework"]
 
 
 class MegatronLMActions:

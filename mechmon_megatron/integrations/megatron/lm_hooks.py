@@ -18,13 +18,12 @@ from typing import Any
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import assemble
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.integrations.megatron.checkpoint import save_state
+from mechmon_megatron.integrations.megatron.checkpoint import iteration_dir, save_state
 from mechmon_megatron.integrations.megatron.core import force_param_sync, needs_param_sync
 from mechmon_megatron.integrations.megatron.lm_args import process_exit_code
 from mechmon_megatron.integrations.megatron.lm_framework import (
     MegatronLMActions,
     MegatronLMFramework,
-    iteration_dir,
 )
 from mechmon_megatron.integrations.megatron.lm_probe import StepBatch
 from mechmon_megatron.monitor import MechMon

@@ -1,7 +1,7 @@
 """Monitor work and state split over data-parallel replicas, measured on gloo ranks (CPU).
 
 For DP = 1, 2, 4 real gloo processes build the same megatron-core GPT (TP = 1) and the QK and
-router monitors through ``integrations.megatron_core.build_monitors``, apply one synthetic
+router monitors through ``integrations.megatron.core.build_monitors``, apply one synthetic
 update per monitored step (the same on every rank) and time ``MechMon.end_step``. Two modes per
 DP size, side by side in one run:
 
@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, layers: int, width: int, steps: int, split: boo
 
     from mechmon_megatron.commands.bench_cmd import state_bytes
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations.megatron_core import build_monitors
+    from mechmon_megatron.integrations.megatron.core import build_monitors
     from mechmon_megatron.monitor import MechMon
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 

@@ -220,14 +220,14 @@ GROUPS = ("qkv", "attn_out", "mlp", "norm")
 def monitor_names(layers: int, moe: bool = False) -> list[str]:
     """The default-watched signal names of an L-layer model (what the bank expands patterns to)."""
     names = ["global/loss", "global/grad_norm", "optim/sharpness/eos_ratio",
-             "optim/update_ratio/all", "optim/update_ratio/embedding"]
-    names += [f"optim/update_ratio/{g}" for g in GROUPS]
+             "optim/update_ratio_step/all", "optim/update_ratio_step/embedding"]
+    names += [f"optim/update_ratio_step/{g}" for g in GROUPS]
     for layer in range(1, layers + 1):
         names += [f"attn/delta2/entropy/layer_{layer}/min",
                   f"attn/layer_delta2/entropy/layer_{layer}",
                   f"attn/dwq/entropy/layer_{layer}/min", f"attn/dwk/entropy/layer_{layer}/min",
                   f"attn/coherence/cos/layer_{layer}/max", f"attn/max_logit/max/layer_{layer}"]
-        names += [f"optim/update_ratio/{g}/layer_{layer}" for g in GROUPS]
+        names += [f"optim/update_ratio_step/{g}/layer_{layer}" for g in GROUPS]
         if moe:
             names += [f"router/{s}/layer_{layer}" for s in ("entropy_mean", "weight_cosine",
                                                             "maxvio")]

@@ -1,7 +1,7 @@
 """``mechmon_megatron.deepspeed.attach(engine)``: mechmon on a DeepSpeed engine.
 
-A short import path for :mod:`mechmon_megatron.integrations.deepspeed` (read its docstring for
-the hooks, the ``"mechmon"`` config block and the checkpoint-and-exit path)::
+A short import path for :mod:`mechmon_megatron.integrations.deepspeed.engine` (read its
+docstring for the hooks, the ``"mechmon"`` config block and the checkpoint-and-exit path)::
 
     import mechmon_megatron.deepspeed as mechmon_ds
     mm = mechmon_ds.attach(engine)
@@ -9,7 +9,7 @@ the hooks, the ``"mechmon"`` config block and the checkpoint-and-exit path)::
 
 from __future__ import annotations
 
-from mechmon_megatron.integrations.deepspeed import (
+from mechmon_megatron.integrations.deepspeed.engine import (
     CONFIG_KEY,
     DeepSpeedActions,
     DeepSpeedMechMon,

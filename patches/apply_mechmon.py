@@ -8,7 +8,7 @@ Usage::
 Two edits in the ``__main__`` block, identical for core_v0.16.1 and main:
 
 1. after ``inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)``: import
-   ``mechmon_megatron.integrations.megatron_lm`` and call ``install_from_argv()``, which loads and
+   ``mechmon_megatron.integrations.megatron.lm`` and call ``install_from_argv()``, which loads and
    validates the config named on the command line (before Megatron starts) and hooks the loop;
    without the flag it does nothing.
 2. ``extra_args_provider=add_modelopt_args if has_nvidia_modelopt else None`` (an argument of
@@ -31,7 +31,7 @@ WRAP_ANCHOR = "    pretrain, store = inprocess_restart.maybe_wrap_for_inprocess_
 WRAP_EDIT = (
     "\n"
     "    # mechmon: hooks the training loop when --mechmon-config FILE is given\n"
-    "    from mechmon_megatron.integrations import megatron_lm as mechmon_lm\n"
+    "    from mechmon_megatron.integrations.megatron import lm as mechmon_lm\n"
     "\n"
     f"    {MARKER}\n"
 )

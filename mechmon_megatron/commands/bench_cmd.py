@@ -106,7 +106,7 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     """Run the benchmark of one model (``args.layers``, ``args.hidden``: ints); one row per
     interval (see the module docstring)."""
     from mechmon_megatron import comm
-    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.integrations.megatron.core import attach
     from mechmon_megatron.train.train_config import load_train_config
     from mechmon_megatron.train.trainer import _Trainer
 

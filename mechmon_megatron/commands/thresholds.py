@@ -59,7 +59,7 @@ def shape_thresholds(config: MechMonConfig, layers: int, heads: int, kv_groups: 
     from mechmon_megatron import comm
     from mechmon_megatron.assembly import describe
     from mechmon_megatron.detect.schedule import resolve_schedule
-    from mechmon_megatron.integrations.megatron_core import build_monitors
+    from mechmon_megatron.integrations.megatron.core import build_monitors
     from mechmon_megatron.monitor import MechMon
     from mechmon_megatron.train.model import (
         ModelSpec,

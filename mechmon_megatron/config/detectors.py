@@ -253,7 +253,9 @@ def _router_family() -> FamilyDetectorConfig:
 def _optim_family() -> FamilyDetectorConfig:
     return FamilyDetectorConfig(
         signals=["optim/sharpness/eos_ratio", "optim/sharpness/eos_ratio_lr_rise",
-                 "optim/update_ratio/*"],
+                 # over one step or the monitor's interval (live), two checkpoints (scan)
+                 "optim/update_ratio_step/*", "optim/update_ratio_interval/*",
+                 "optim/update_ratio_ckpt/*"],
         direction="up",
         # Twice Adam's edge of stability on two of three estimates. The edge itself (ratio 1,
         # eta lambda = 38 at beta1 = 0.9) is where healthy Adam settles (Cohen et al. 2022),

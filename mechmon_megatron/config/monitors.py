@@ -108,11 +108,12 @@ class UpdateRatioConfig:
     """Update-to-weight ratios |W1 - W0|_F / |W0|_F per layer and weight group."""
 
     enabled: bool = True
-    """Compute ``optim/update_ratio/...``."""
+    """Compute ``optim/update_ratio_<window>/...``."""
     window: Literal["step", "interval"] = "step"
     """``step``: the optimizer step of each monitored step (a transient copy of the weights,
-    nothing kept between steps); ``interval``: W(t) - W(t - interval) (a persistent snapshot of
-    every weight, kept in the monitor state)."""
+    nothing kept between steps; ``optim/update_ratio_step/...``); ``interval``: W(t) - W(t -
+    interval) (a persistent snapshot of every weight, kept in the monitor state;
+    ``optim/update_ratio_interval/...``)."""
     offload_snapshots: bool = False
     """Keep the copy of the weights in host memory instead of device memory."""
 

@@ -110,7 +110,7 @@ def _group_sums(table: Mapping[str, float], prefix: str) -> dict[str, float]:
 
 def locate(finding: Finding, table: Mapping[str, float]) -> Finding:
     """``finding`` with ``locus = "router"`` when it is a whole-model optimizer finding
-    (``optim/sharpness/*``, ``optim/update_ratio/all``) and, in the same sample, the router's
+    (``optim/sharpness/*``, ``optim/update_ratio_*/all``) and, in the same sample, the router's
     weights take more of the whole model's squared update than any other weight group (the
     router's updates make the whole-model anomaly), or, for a sharpness finding, hold more of
     the top eigenvector than any other group (the unstable mode lives there). The router is
@@ -118,7 +118,7 @@ def locate(finding: Finding, table: Mapping[str, float]) -> Finding:
     every group's steps alike, it takes under 2% of the leading group's squared update and a
     few percent of the mode. Unchanged otherwise."""
     sharpness = finding.signal.startswith("optim/sharpness/")
-    if not (sharpness or finding.signal == "optim/update_ratio/all"):
+    if not (sharpness or re.fullmatch(r"optim/update_ratio_[a-z]+/all", finding.signal)):
         return finding
     led = _router_leads(_group_sums(table, UPDATE_SQ)) or (
         sharpness and _router_leads(_group_sums(table, SHARE)))

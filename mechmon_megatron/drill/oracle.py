@@ -46,7 +46,7 @@ MODULE_PATTERNS: dict[str, tuple[str, ...]] = {
     "attention": (r"attn/delta2/entropy/layer_{L}/min", r"attn/layer_delta2/entropy/layer_{L}",
                   r"attn/dwq/entropy/layer_{L}/min", r"attn/dwk/entropy/layer_{L}/min",
                   r"attn/coherence/cos/layer_{L}/max", r"attn/max_logit/max/layer_{L}"),
-    "lr": (r"optim/sharpness/eos_ratio", r"optim/update_ratio/[a-z_]+/layer_\d+"),
+    "lr": (r"optim/sharpness/eos_ratio", r"optim/update_ratio_[a-z]+/[a-z_]+/layer_\d+"),
     "router": (r"router/entropy_mean/layer_\d+", r"router/maxvio/layer_\d+",
                r"router/weight_cosine/layer_\d+"),
 }

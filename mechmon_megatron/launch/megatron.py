@@ -10,8 +10,8 @@ Usage (one process per GPU, e.g. under torchrun)::
    code 2 and a message naming the file and the field.
 2. The script's directory goes first on ``sys.path`` (so ``megatron.training`` is the
    checkout's, as ``python script.py`` would import it); with ``--cpu`` and no CUDA,
-   :func:`mechmon_megatron.integrations.megatron_lm_cpu.apply` makes the loop run on the CPU.
-3. :func:`mechmon_megatron.integrations.megatron_lm.install` checks the version contract and
+   :func:`mechmon_megatron.integrations.megatron.lm_cpu.apply` makes the loop run on the CPU.
+3. :func:`mechmon_megatron.integrations.megatron.lm.install` checks the version contract and
    hooks the training loop (a mismatch exits 2 naming the symbol, before Megatron starts).
 4. The script runs as ``__main__`` (``runpy``) with ``sys.argv = [script, <Megatron args>]``.
 5. Exit code: after an alarm with ``checkpoint_and_exit``, ``actions.exit_code`` (default 86);
@@ -27,12 +27,12 @@ from collections.abc import Sequence
 
 from mechmon_megatron.commands.exit_codes import one_line
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.integrations import megatron_lm
+from mechmon_megatron.integrations.megatron import lm
 
 __all__ = ["main", "run"]
 
 USAGE = (f"usage: python -m mechmon_megatron.launch.megatron [--cpu] SCRIPT.py "
-         f"{megatron_lm.FLAG} FILE [Megatron-LM arguments]")
+         f"{lm.FLAG} FILE [Megatron-LM arguments]")
 CPU = "--cpu"
 """Launcher flag (before the script): a CPU dry run of the real training loop."""
 
@@ -41,13 +41,13 @@ def run(script: str, argv: Sequence[str], config: MechMonConfig, cpu: bool = Fal
     """Run ``script`` with ``argv`` under mechmon; return the process exit code."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     if cpu:
-        from mechmon_megatron.integrations import megatron_lm_cpu
+        from mechmon_megatron.integrations.megatron import lm_cpu
 
-        if not megatron_lm_cpu.apply():
+        if not lm_cpu.apply():
             print("mechmon: --cpu ignored: CUDA is available", file=sys.stderr)
     try:
-        hooks = megatron_lm.install(config)
-    except megatron_lm.ContractError as exc:
+        hooks = lm.install(config)
+    except lm.ContractError as exc:
         print(f"mechmon: error: {exc}", file=sys.stderr)
         return 2
     sys.argv = [script, *argv]
@@ -56,7 +56,7 @@ def run(script: str, argv: Sequence[str], config: MechMonConfig, cpu: bool = Fal
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exc:
         code = exc.code
-    return megatron_lm.resolve_exit_code(code, hooks.alarm_exit_code)
+    return lm.resolve_exit_code(code, hooks.alarm_exit_code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,16 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     script, rest = args[0], args[1:]
     try:
-        config_path, rest = megatron_lm.pop_mechmon_config(rest)
+        config_path, rest = lm.pop_mechmon_config(rest)
         if config_path is None:
-            raise ValueError(f"{megatron_lm.FLAG} FILE is required")
+            raise ValueError(f"{lm.FLAG} FILE is required")
         if not os.path.isfile(script):
             raise ValueError(f"{script}: no such training script")
     except ValueError as exc:
         print(f"mechmon: error: {exc}\n{USAGE}", file=sys.stderr)
         return 2
     try:
-        config = megatron_lm.load_mechmon_config(config_path)
+        config = lm.load_mechmon_config(config_path)
     except ValueError as exc:  # a missing file, a YAML syntax error, an invalid field
         print(f"mechmon: error: {one_line(exc)}", file=sys.stderr)
         return 2

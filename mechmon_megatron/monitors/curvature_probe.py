@@ -1,6 +1,7 @@
 """What a sharpness estimate needs from an integration: the optimizer's Adam state and a loss on
 one cached micro-batch (:class:`CurvatureProbe`), with the global inner products over the
-elements each rank owns. Built by ``integrations/*_optim.py``, used by
+elements each rank owns. Built by ``integrations/megatron/core_optim.py`` and
+``integrations/deepspeed/optim.py``, used by
 :class:`~mechmon_megatron.monitors.sharpness.SharpnessEstimator`.
 """
 

@@ -12,25 +12,27 @@ group such as ``embedding``) over the window ``W0 -> W1``::
 ``update_ratio.window``: ``step`` (default) compares the weights before and after the optimizer
 step of a monitored step (a transient copy taken in ``begin_step``, freed at ``end_step``);
 ``interval`` compares with the previous monitored step (a persistent snapshot, kept in the
-monitor state). The sums and ratios: :mod:`mechmon_megatron.monitors.update_ratio`.
+monitor state). The ratios' names say which (``<w>`` below: ``step`` or ``interval``; ``mechmon
+scan`` names its ratios between checkpoints ``ckpt``). The sums and ratios:
+:mod:`mechmon_megatron.monitors.update_ratio`.
 
-=====================================  ===========================================================
-``optim/update_sq/<key>``              ``|W1 - W0|_F^2`` of the key (all shards)
-``optim/weight_sq/<key>``              ``|W0|_F^2``
-``optim/update_ratio/<g>/layer_<L>``  ``r_k`` of a layer's group (derived)
-``optim/update_ratio/<g>``             over every tensor of group g, in the layers or outside
-                                       (e.g. ``norm``: the layers' norms and the final norm)
-``optim/update_ratio/all``             whole model (derived)
-``optim/sharpness/eos_ratio``          ``lambda_max(D^1/2 H D^1/2) / ((2 + 2 b1) / (1 - b1))``
-``optim/sharpness/eos_ratio_lr_rise``  on an LR-triggered step only: ``min(eos_ratio, carried)``,
-                                       ``carried`` the last estimate's ratio at this LR
-                                       (both estimates past a bound: one sample suffices)
-``optim/sharpness/lambda``             ``lambda_max`` per unit of the largest group LR
-``optim/sharpness/iters``              power-iteration products used
-``optim/sharpness/residual``           ``|M v - lambda v| / |lambda|`` of the last iterate
-``optim/sharpness/share/<g>``          fraction of the top eigenvector ``|v|^2`` in weight group
-                                       g (where the mode at the edge of stability lives)
-=====================================  ===========================================================
+========================================  ==========================================================
+``optim/update_sq/<key>``                 ``|W1 - W0|_F^2`` of the key (all shards)
+``optim/weight_sq/<key>``                 ``|W0|_F^2``
+``optim/update_ratio_<w>/<g>/layer_<L>``  ``r_k`` of a layer's group (derived)
+``optim/update_ratio_<w>/<g>``            over every tensor of group g, in the layers or outside
+                                          (e.g. ``norm``: the layers' norms and the final norm)
+``optim/update_ratio_<w>/all``            whole model (derived)
+``optim/sharpness/eos_ratio``             ``lambda_max(D^1/2 H D^1/2) / ((2 + 2 b1) / (1 - b1))``
+``optim/sharpness/eos_ratio_lr_rise``     on an LR-triggered step only: ``min(eos_ratio, carried)``,
+                                          ``carried`` the last estimate's ratio at this LR
+                                          (both estimates past a bound: one sample suffices)
+``optim/sharpness/lambda``                ``lambda_max`` per unit of the largest group LR
+``optim/sharpness/iters``                 power-iteration products used
+``optim/sharpness/residual``              ``|M v - lambda v| / |lambda|`` of the last iterate
+``optim/sharpness/share/<g>``             fraction of the top eigenvector ``|v|^2`` in weight group
+                                          g (where the mode at the edge of stability lives)
+========================================  ==========================================================
 
 Sharpness runs when the integration gave a
 :class:`~mechmon_megatron.monitors.curvature_probe.CurvatureProbe`
@@ -54,7 +56,7 @@ from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
 from mechmon_megatron.monitors.sharpness import SharpnessEstimator
 from mechmon_megatron.monitors.sharpness_schedule import EOS_RATIO, SharpnessSchedule
-from mechmon_megatron.monitors.update_ratio import derive_ratios, owned_sums
+from mechmon_megatron.monitors.update_ratio import derive_ratios, owned_sums, ratio_prefix
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
            "SHARPNESS_SIGNALS"]
@@ -152,11 +154,11 @@ class OptimMonitor:
         names = [f"optim/sharpness/{s}" for s in SHARPNESS_SIGNALS]
         names += [f"optim/sharpness/share/{g}" for g in GROUPS]
         if self.config.update_ratio.enabled:
+            ratios = ratio_prefix(self.config.update_ratio.window)
             for key in self.holders:
-                names += [f"optim/update_sq/{key}", f"optim/weight_sq/{key}",
-                          f"optim/update_ratio/{key}"]
-            names += [f"optim/update_ratio/{k.split('/')[0]}" for k in self.holders]
-            names.append("optim/update_ratio/all")
+                names += [f"optim/update_sq/{key}", f"optim/weight_sq/{key}", f"{ratios}/{key}"]
+            names += [f"{ratios}/{k.split('/')[0]}" for k in self.holders]
+            names.append(f"{ratios}/all")
         return sorted(set(names))
 
     def due(self, step: int) -> bool:
@@ -215,7 +217,7 @@ class OptimMonitor:
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
         """Ratios from the reduced squared norms (per layer key, per group, whole model) and,
         on an LR-triggered step, ``min(eos_ratio, carried)`` (NaN when either is missing)."""
-        out = derive_ratios(self.holders, table)
+        out = derive_ratios(self.holders, table, self.config.update_ratio.window)
         carried = self.sharp.carried_at(self._step)
         if carried is not None:
             eos = table.get(EOS_RATIO, math.nan)

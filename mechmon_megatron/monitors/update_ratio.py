@@ -10,6 +10,9 @@ For a key ``k`` (a weight group in one layer, or a layer-less group) over the wi
 Each rank adds the squares of the elements it owns (one owner per distinct element) and scales
 the sums by the number of ranks holding the key, so the reduction's mean over those ranks is the
 exact total. Group and whole-model ratios add the keys' reduced sums before the square root.
+
+The ratio's name says what ``W0 -> W1`` spans (:data:`WINDOWS`):
+``optim/update_ratio_<window>/<k>``, ``.../<group>`` and ``.../all``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,20 @@ from typing import Any
 
 import torch
 
-__all__ = ["owned_sums", "derive_ratios", "ratio"]
+__all__ = ["WINDOWS", "ratio_prefix", "owned_sums", "derive_ratios", "ratio"]
+
+WINDOWS = ("step", "interval", "ckpt")
+"""What an update ratio's ``W0 -> W1`` spans: one optimizer step (the optimizer monitor's
+``update_ratio.window: step``), the monitor's interval (``window: interval``), or two
+checkpoints (``mechmon scan``)."""
+
+
+def ratio_prefix(window: str) -> str:
+    """``optim/update_ratio_<window>``, the prefix of the update ratios over ``window``."""
+    if window not in WINDOWS:
+        raise ValueError(f"update ratio window: invalid value {window!r}; allowed: "
+                         f"{', '.join(WINDOWS)}")
+    return f"optim/update_ratio_{window}"
 
 
 def owned_sums(params: Sequence[Any], keys: Sequence[str], holders: Mapping[str, int],
@@ -55,8 +71,11 @@ def owned_sums(params: Sequence[Any], keys: Sequence[str], holders: Mapping[str,
     return out, finite
 
 
-def derive_ratios(holders: Mapping[str, int], table: Mapping[str, float]) -> dict[str, float]:
-    """``optim/update_ratio/<k>`` per layer key, per group and ``all`` from the reduced sums."""
+def derive_ratios(holders: Mapping[str, int], table: Mapping[str, float],
+                  window: str) -> dict[str, float]:
+    """``optim/update_ratio_<window>/<k>`` per layer key, per group and ``all`` from the reduced
+    sums."""
+    prefix = ratio_prefix(window)
     sums: dict[str, list[float]] = {}
     for key in holders:
         upd = table.get(f"optim/update_sq/{key}", math.nan)
@@ -65,7 +84,7 @@ def derive_ratios(holders: Mapping[str, int], table: Mapping[str, float]) -> dic
             acc = sums.setdefault(total, [0.0, 0.0])
             acc[0] += upd
             acc[1] += ref
-    return {f"optim/update_ratio/{k}": ratio(u, r) for k, (u, r) in sums.items()}
+    return {f"{prefix}/{k}": ratio(u, r) for k, (u, r) in sums.items()}
 
 
 def ratio(upd: float, ref: float) -> float:

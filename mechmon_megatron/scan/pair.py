@@ -15,19 +15,21 @@ two checkpoints (three with the coherence terms).
 Signals besides the QK monitor's (L global 1-based layer, g weight group,
 ``dW = W(t1) - W(t0)``):
 
-======================================  ============================================================
-``router/weight_cosine/layer_L``,       router-weight geometry of ``W_R(t1)``
-``router/weight_cond_max/layer_L``,     (:func:`mechmon_megatron.math.routing.router_weight_stats`)
+=======================================  ===========================================================
+``router/weight_cosine/layer_L``,        router-weight geometry of ``W_R(t1)``
+``router/weight_cond_max/layer_L``,      (:func:`mechmon_megatron.math.routing.router_weight_stats`)
 ``router/weight_cond_fro/layer_L``
-``router/expert_bias_norm/layer_L``     ``|b|_2`` when the router has an expert bias
-``optim/update_ratio/<g>/layer_L``      ``|dW|_F / |W(t0)|_F`` over the group's tensors in layer L
-``optim/update_ratio/<g>``              the same over all layers (and tensors outside the layers)
-``optim/update_ratio/all``              the whole model
-``attn/qk_coherence/layer_L``           ``|W(t1) - W(t0 - d')|^2 / (|dW|^2 + |dW'|^2)`` of the
-                                        layer's Q and K rows, ``dW'`` the previous pair's update:
-                                        1 for uncorrelated successive updates, 2 for the same
-                                        direction (a coherent drift), 0 for a reversal
-======================================  ============================================================
+``router/expert_bias_norm/layer_L``      ``|b|_2`` when the router has an expert bias
+``optim/update_ratio_ckpt/<g>/layer_L``  ``|dW|_F / |W(t0)|_F`` over the group's tensors in layer L
+``optim/update_ratio_ckpt/<g>``          the same over all layers (and tensors outside the layers)
+``optim/update_ratio_ckpt/all``          the whole model (the live monitor's ratios span one step
+                                         or its interval: ``update_ratio_step``,
+                                         ``update_ratio_interval``)
+``attn/qk_coherence/layer_L``            ``|W(t1) - W(t0 - d')|^2 / (|dW|^2 + |dW'|^2)`` of the
+                                         layer's Q and K rows, ``dW'`` the previous pair's update:
+                                         1 for uncorrelated successive updates, 2 for the same
+                                         direction (a coherent drift), 0 for a reversal
+=======================================  ===========================================================
 
 Router token statistics (entropy, load) need data, not weights, and are not in a scan.
 """
@@ -45,6 +47,7 @@ from mechmon_megatron import comm
 from mechmon_megatron.math.routing import WEIGHT_STATS, router_weight_stats
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 from mechmon_megatron.monitors.router_capture import BIAS_STAT
+from mechmon_megatron.monitors.update_ratio import ratio_prefix
 from mechmon_megatron.scan.errors import ScanError
 from mechmon_megatron.scan.plan import ScanPlan
 from mechmon_megatron.scan.qk_rows import qk_rows
@@ -195,7 +198,8 @@ def _square_sums(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 def _ratios(sums: dict[tuple[str, int | None], list[float]]) -> dict[str, float]:
-    """``optim/update_ratio/...`` from ``{(group, layer): [|dW|^2, |W0|^2]}``."""
+    """``optim/update_ratio_ckpt/...`` from ``{(group, layer): [|dW|^2, |W0|^2]}``."""
+    prefix = ratio_prefix("ckpt")
 
     def ratio(d2: float, w2: float) -> float:
         return math.sqrt(d2 / w2) if w2 > 0 else (0.0 if d2 == 0 else math.inf)
@@ -205,13 +209,13 @@ def _ratios(sums: dict[tuple[str, int | None], list[float]]) -> dict[str, float]
     total = [0.0, 0.0]
     for (group, layer), (d2, w2) in sums.items():
         if layer is not None:
-            out[f"optim/update_ratio/{group}/layer_{layer}"] = ratio(d2, w2)
+            out[f"{prefix}/{group}/layer_{layer}"] = ratio(d2, w2)
         acc = per_group.setdefault(group, [0.0, 0.0])
         acc[0] += d2
         acc[1] += w2
         total[0] += d2
         total[1] += w2
-    out.update({f"optim/update_ratio/{g}": ratio(*v) for g, v in per_group.items()})
+    out.update({f"{prefix}/{g}": ratio(*v) for g, v in per_group.items()})
     if sums:
-        out["optim/update_ratio/all"] = ratio(*total)
+        out[f"{prefix}/all"] = ratio(*total)
     return out

@@ -5,7 +5,7 @@ The plan lists, per layer, the tensors to read: the Q/K tensors of the attention
 update ratios) every other model tensor, with its weight group. Every later checkpoint must hold
 the same tensors with the same shapes; :func:`check_shapes` names the first difference.
 
-Weight groups (update ratios ``optim/update_ratio/<group>/layer_<L>``) are the live optimizer
+Weight groups (update ratios ``optim/update_ratio_ckpt/<group>/layer_<L>``) are the live optimizer
 monitor's (:func:`mechmon_megatron.layouts.param_groups.param_group`), so a scan and the live
 monitor put every tensor in the same group.
 """

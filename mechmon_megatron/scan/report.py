@@ -13,7 +13,12 @@ import io
 import math
 from typing import Any
 
+from mechmon_megatron.monitors.update_ratio import ratio_prefix
+
 __all__ = ["render_markdown", "render_plot", "series"]
+
+RATIOS = ratio_prefix("ckpt")
+"""The scan's update ratios: between the checkpoints of a pair."""
 
 
 def series(rows: list[dict[str, Any]], keep: Any) -> dict[str, tuple[list[int], list[float]]]:
@@ -36,8 +41,8 @@ def _panels(rows: list[dict[str, Any]]) -> list[tuple[str, dict, bool]]:
     entropy = series(rows, lambda n: n.startswith("attn/delta2/entropy/") and n.endswith("/min")
                      or n.startswith("attn/layer_delta2/entropy/"))
     coherence = series(rows, lambda n: n.startswith("attn/qk_coherence/"))
-    ratios = series(rows, lambda n: n.startswith("optim/update_ratio/qkv/layer_")
-                    or n == "optim/update_ratio/all")
+    ratios = series(rows, lambda n: n.startswith(f"{RATIOS}/qkv/layer_")
+                    or n == f"{RATIOS}/all")
     router = series(rows, lambda n: n.startswith("router/weight_cosine/"))
     panels = [("QK-update spectral\nentropy (nats)", entropy, False),
               ("QK update coherence\n(1 noise, 2 drift)", coherence, False),
@@ -59,7 +64,7 @@ def render_plot(result: Any) -> bytes:
     axes = list(axes[:, 0])
     for ax, (ylabel, group, log) in zip(axes, panels, strict=True):
         for name, (steps, values) in group.items():
-            label = name.replace("/entropy", "").replace("optim/update_ratio/", "")
+            label = name.replace("/entropy", "").replace(f"{RATIOS}/", "")
             ax.plot(steps, values, ".-", ms=3, lw=1, label=label)
         ax.set_ylabel(ylabel)
         if log:
@@ -148,11 +153,11 @@ def render_markdown(result: Any, plot_name: str | None) -> str:
             f"| {row['step']} | {row['window']} | "
             f"{_extreme(s, 'attn/delta2/entropy/', '/min', min)} | "
             f"{_extreme(s, 'attn/qk_coherence/', '', max)} | "
-            f"{_fmt(s.get('optim/update_ratio/all'))} | {len(row['findings'])} |")
+            f"{_fmt(s.get(f'{RATIOS}/all'))} | {len(row['findings'])} |")
     if result.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in result.notes[:20]]
     lines += ["", "Signals per pair are in `scan.jsonl` (the names of the live monitor's "
-              "`metrics.jsonl`)."]
+              f"`metrics.jsonl`; the update ratios between checkpoints are `{RATIOS}/...`)."]
     return "\n".join(lines) + "\n"
 
 

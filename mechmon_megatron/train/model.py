@@ -109,11 +109,11 @@ def init_parallel(spec: ParallelSpec, seed: int = 1234) -> None:
     """Initialise megatron-core model-parallel state and RNG trackers on the current world.
 
     Requires ``torch.distributed`` to be initialised (any backend). On CPU the compatibility
-    patches of :mod:`mechmon_megatron.integrations.mcore_cpu` are applied first.
+    patches of :mod:`mechmon_megatron.integrations.megatron.core_cpu` are applied first.
     """
-    from mechmon_megatron.integrations import mcore_cpu
+    from mechmon_megatron.integrations.megatron import core_cpu
 
-    mcore_cpu.apply()
+    core_cpu.apply()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -26,7 +26,7 @@ class CheckpointState:
 
     def save_checkpoint(self, step: int) -> str | None:
         """Save iteration ``step`` to the save directory (collective); returns its path."""
-        from mechmon_megatron.integrations.megatron_state import row_sharded
+        from mechmon_megatron.integrations.megatron.checkpoint import row_sharded
         from mechmon_megatron.train.checkpoint import optimizer_sharded, save_checkpoint
 
         state = self._rank_state(step)
@@ -65,7 +65,7 @@ class CheckpointState:
         """Load ``checkpoint.load``; returns mechmon's check_resume verdict (collective)."""
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        from mechmon_megatron.integrations.megatron_state import row_sharded
+        from mechmon_megatron.integrations.megatron.checkpoint import row_sharded
         from mechmon_megatron.train.checkpoint import load_checkpoint, load_state
 
         state = load_checkpoint(self.cfg.checkpoint.load, self.model, self.layout)
@@ -99,7 +99,7 @@ class CheckpointState:
         the checkpoint's sharded ``state`` (the rows this layout holds), the rest from rank 0's
         file (layout-independent). The TP RNG tracker restarts from its seed (dropout streams
         differ between layouts anyway). Returns whether mechmon's state was restored."""
-        from mechmon_megatron.integrations.megatron_state import row_sharded
+        from mechmon_megatron.integrations.megatron.checkpoint import row_sharded
         from mechmon_megatron.train.checkpoint import load_state, optimizer_sharded
 
         template = optimizer_sharded(self.model, self.optimizer, init=True)

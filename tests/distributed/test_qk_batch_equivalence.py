@@ -31,7 +31,7 @@ def _worker(rank: int, world_size: int) -> dict:
     import torch
 
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations.megatron_core import build_monitors
+    from mechmon_megatron.integrations.megatron.core import build_monitors
     from mechmon_megatron.monitors.qk_update import QKUpdateMonitor
     from mechmon_megatron.train.model import (
         ModelSpec,

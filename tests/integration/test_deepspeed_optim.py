@@ -79,7 +79,7 @@ def _key_ratio(signals: dict[str, float], key: str) -> float:
     """A key's ratio from its reduced squared norms (a layer-less key such as the final ``norm``
     shares its ratio name with its group's total, so the per-key value is read from the sums)."""
     if key == "all":
-        return signals["optim/update_ratio/all"]
+        return signals["optim/update_ratio_step/all"]
     return math.sqrt(signals[f"optim/update_sq/{key}"] / signals[f"optim/weight_sq/{key}"])
 
 
@@ -266,6 +266,6 @@ def test_an_sgd_engine_gets_one_warning_naming_it_and_update_ratios_without_shar
     assert len(result["warnings"]) == 1, result["warnings"]
     assert "the optimizer is SGD, not Adam-type" in result["warnings"][0]
     for signals in result["table"].values():
-        assert math.isfinite(signals["optim/update_ratio/all"])
+        assert math.isfinite(signals["optim/update_ratio_step/all"])
         assert signals["optim/sharpness/eos_ratio"] is None or math.isnan(
             signals["optim/sharpness/eos_ratio"])

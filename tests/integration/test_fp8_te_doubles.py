@@ -134,7 +134,7 @@ def _run(rank: int, world_size: int, out_dir: str) -> dict:
     import torch
 
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.integrations.megatron.core import attach
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
     spec = ModelSpec(**MOE)

@@ -63,7 +63,7 @@ def test_an_lr_step_is_estimated_and_alarms_lr_on_the_step_it_lands(runs):
     assert _sharpness_steps(list(rows.values())) == [30, 60, ONSET, ONSET + 1, ONSET + 2, 90]
     signals = {s: rows[s]["signals"] for s in (60, 70, ONSET, ONSET + 1)}
     assert signals[ONSET]["optim/sharpness/eos_ratio"] >= 2.0
-    ratio = {s: signals[s]["optim/update_ratio/all"] for s in (70, ONSET)}
+    ratio = {s: signals[s]["optim/update_ratio_step/all"] for s in (70, ONSET)}
     assert ratio[ONSET] > 10 * ratio[70]  # the step's own update ratio, off the interval too
     # The LR-rise sample: the step's estimate against 60's carried to the new LR (x30).
     carried = 30 * signals[60]["optim/sharpness/eos_ratio"]
@@ -153,4 +153,4 @@ def test_a_run_resumed_with_a_raised_lr_is_measured_on_its_first_step(tmp_path):
     rows = {r["step"]: r["signals"] for r in _rows(tmp_path / "resumed")}
     assert sorted(rows) == [41, 42, 43]  # the trigger and its two rechecks
     before = {r["step"]: r["signals"] for r in _rows(tmp_path / "first")}[40]
-    assert rows[41]["optim/update_ratio/all"] > 5 * before["optim/update_ratio/all"]
+    assert rows[41]["optim/update_ratio_step/all"] > 5 * before["optim/update_ratio_step/all"]

@@ -46,7 +46,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.integrations.megatron_bridge import MechMonCallback
+from mechmon_megatron.integrations.megatron.bridge import MechMonCallback
 from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
 spec = importlib.util.spec_from_file_location("bridge_callbacks", sys.argv[1])

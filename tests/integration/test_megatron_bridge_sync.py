@@ -27,7 +27,7 @@ def _worker(rank: int, world_size: int, out_dir: str, precision_aware: bool) -> 
     import torch
 
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations.megatron_bridge import MechMonCallback
+    from mechmon_megatron.integrations.megatron.bridge import MechMonCallback
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
     init_parallel(ParallelSpec())

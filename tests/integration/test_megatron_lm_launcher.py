@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mechmon_megatron.integrations import megatron_lm
-from mechmon_megatron.integrations import megatron_lm_contract as contract
+from mechmon_megatron.integrations.megatron import lm, lm_hooks
+from mechmon_megatron.integrations.megatron import lm_contract as contract
 from mechmon_megatron.launch import megatron as launcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -284,7 +284,7 @@ def test_mechmon_adds_exactly_one_flag_to_megatrons_parser():
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--num-layers", type=int)
     before = _option_strings(parser)
-    returned = megatron_lm.add_mechmon_args(parser)
+    returned = lm.add_mechmon_args(parser)
     assert returned is parser
     assert _option_strings(parser) - before == {"--mechmon-config"}
     args = parser.parse_args(["--num-layers", "2", "--mechmon-config", "cfg.yaml"])
@@ -298,12 +298,12 @@ def test_chained_provider_keeps_the_existing_provider_and_adds_the_flag():
         return parser
 
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser = megatron_lm.chain_extra_args_provider(modelopt_like)(parser)
+    parser = lm.chain_extra_args_provider(modelopt_like)(parser)
     assert _option_strings(parser) == {"-h", "--help", "--export-te-mcore-model",
                                        "--mechmon-config"}
     args = parser.parse_args(["--export-te-mcore-model", "--mechmon-config=c.yaml"])
     assert args.export_te_mcore_model and args.mechmon_config == "c.yaml"
-    parser = megatron_lm.chain_extra_args_provider(None)(argparse.ArgumentParser())
+    parser = lm.chain_extra_args_provider(None)(argparse.ArgumentParser())
     assert "--mechmon-config" in _option_strings(parser)
 
 
@@ -318,7 +318,7 @@ def test_chained_provider_keeps_the_existing_provider_and_adds_the_flag():
     ],
 )
 def test_the_flag_is_stripped_from_argv_in_every_spelling(argv, path, rest):
-    assert megatron_lm.pop_mechmon_config(argv) == (path, rest)
+    assert lm.pop_mechmon_config(argv) == (path, rest)
 
 
 @pytest.mark.parametrize(
@@ -328,7 +328,7 @@ def test_the_flag_is_stripped_from_argv_in_every_spelling(argv, path, rest):
 )
 def test_a_malformed_flag_is_rejected(argv):
     with pytest.raises(ValueError, match="--mechmon-config"):
-        megatron_lm.pop_mechmon_config(argv)
+        lm.pop_mechmon_config(argv)
 
 
 def _script_that_must_not_run(tmp_path: Path) -> Path:
@@ -366,7 +366,7 @@ def test_the_launcher_requires_the_flag(tmp_path, capsys):
      (16, 86, 16), (17, 86, 17), (1, 86, 1), (0, 90, 90)],
 )
 def test_exit_codes_map_an_alarm_and_pass_megatrons_own_codes_through(code, alarm, expected):
-    assert megatron_lm.resolve_exit_code(code, alarm) == expected
+    assert lm.resolve_exit_code(code, alarm) == expected
 
 
 # ----------------------------------------------------------------------------------------------
@@ -403,7 +403,7 @@ class Run:
                  env: dict[str, str] | None = None) -> tuple[int, list, str]:
         events = self.tmp / f"events_{len(list(self.tmp.glob('events_*')))}.txt"
         events.write_text("")
-        base = {k: v for k, v in os.environ.items() if k != megatron_lm.FT_LAUNCHER_ENV}
+        base = {k: v for k, v in os.environ.items() if k != lm.FT_LAUNCHER_ENV}
         env = dict(base, STUB_EVENTS=str(events), STUB_RDZV=str(events) + ".rdzv",
                    PYTHONPATH=str(REPO), **(env or {}))
         cmd = [sys.executable, str(self.tmp / "boot.py"), str(self.tmp / "standin.py"),
@@ -427,7 +427,7 @@ def _saves(events: list) -> list[int]:
 @pytest.fixture()
 def run(tmp_path: Path) -> Run:
     pytest.importorskip("megatron.core")
-    pytest.importorskip("mechmon_megatron.integrations.megatron_core")
+    pytest.importorskip("mechmon_megatron.integrations.megatron.core")
     return Run(tmp_path)
 
 
@@ -500,7 +500,7 @@ def test_without_monitor_state_the_alarm_file_still_latches_the_alarm_on_resume(
 def test_under_ft_launcher_an_alarm_exits_0_so_the_job_ends_instead_of_restarting(run):
     code, events, out = run("--train-iters", "40", "--save-interval", "5", "--fault-step", "12",
                             "--fault-lr-scale", "1e6",
-                            env={megatron_lm.FT_LAUNCHER_ENV: "/tmp/ft.sock"})
+                            env={lm.FT_LAUNCHER_ENV: "/tmp/ft.sock"})
     assert code == 0, out
     alarm = json.loads((run.save / "alarm.json").read_text())
     assert alarm["exit_code"] == 86 and alarm["action"] == "checkpoint_and_exit"
@@ -542,7 +542,7 @@ def test_the_sharpness_probe_replays_the_steps_micro_batch_and_leaves_training_u
                          [({}, 86), ({"FT_LAUNCHER_IPC_SOCKET": "/tmp/s"}, 0),
                           ({"FT_LAUNCHER_IPC_SOCKET": ""}, 86)])
 def test_the_process_exit_code_is_0_only_under_ft_launcher(environ, expected):
-    assert megatron_lm.process_exit_code(86, environ) == expected
+    assert lm.process_exit_code(86, environ) == expected
 
 
 @pytest.mark.parametrize("flags", [
@@ -577,11 +577,11 @@ def test_megatrons_rerun_exit_code_passes_through(run):
 
 
 def test_the_edited_script_path_installs_from_argv_and_keeps_the_flag_for_megatron(tmp_path):
-    assert megatron_lm.install_from_argv(["pretrain_gpt.py", "--bf16"]) is None
+    assert lm.install_from_argv(["pretrain_gpt.py", "--bf16"]) is None
     cfg = tmp_path / "m.yaml"
     cfg.write_text("qk:\n  intervl: 3\n")
     with pytest.raises(ValueError, match="mechmon.qk.intervl"):
-        megatron_lm.install_from_argv(["pretrain_gpt.py", "--mechmon-config", str(cfg)])
+        lm.install_from_argv(["pretrain_gpt.py", "--mechmon-config", str(cfg)])
 
 
 def test_install_wraps_the_training_globals_and_uninstall_restores_them():
@@ -625,14 +625,14 @@ def test_install_wraps_the_training_globals_and_uninstall_restores_them():
                            get_tensorboard_writer=lambda: None, get_wandb_writer=lambda: None,
                            save_checkpoint_and_time=save_checkpoint_and_time)
     signals = types.SimpleNamespace(DistributedSignalHandler=DistributedSignalHandler)
-    hooks = megatron_lm.install(load_config({}), training=module, signal_module=signals)
+    hooks = lm.install(load_config({}), training=module, signal_module=signals)
     try:
-        assert megatron_lm.install(load_config({}), training=module) is hooks
-        for name in megatron_lm.HOOKED:
+        assert lm.install(load_config({}), training=module) is hooks
+        for name in lm_hooks.HOOKED:
             assert getattr(module, name) is not originals[name]
     finally:
-        megatron_lm.uninstall()
-    for name in megatron_lm.HOOKED:
+        lm.uninstall()
+    for name in lm_hooks.HOOKED:
         assert getattr(module, name) is originals[name]
 
 
@@ -691,13 +691,13 @@ def test_the_launcher_refuses_a_mismatched_megatron_before_it_starts(tmp_path, c
                                                                      monkeypatch):
     module = _standin_module(tmp_path, monkeypatch,
                              STANDIN.replace("iteration=None):", "step=None):"))
-    monkeypatch.setattr(megatron_lm, "_INSTALLED", None)
-    real_install = megatron_lm.install
+    monkeypatch.setattr(lm, "_INSTALLED", None)
+    real_install = lm.install
 
     def install(config):
         return real_install(config, training=module, signal_module=module)
 
-    monkeypatch.setattr(megatron_lm, "install", install)
+    monkeypatch.setattr(lm, "install", install)
     monkeypatch.setattr(sys, "path", list(sys.path))
     script = _script_that_must_not_run(tmp_path)
     cfg = tmp_path / "ok.yaml"

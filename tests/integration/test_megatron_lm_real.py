@@ -63,9 +63,9 @@ import runpy
 import sys
 
 sys.path.insert(0, sys.argv[1])
-from mechmon_megatron.integrations import megatron_lm_cpu
+from mechmon_megatron.integrations.megatron import lm_cpu
 
-megatron_lm_cpu.apply()
+lm_cpu.apply()
 script = sys.argv[2]
 sys.argv = sys.argv[2:]
 runpy.run_path(script, run_name="__main__")
@@ -80,11 +80,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mechmon_megatron.integrations import megatron_lm
+from mechmon_megatron.integrations.megatron import lm
 from mechmon_megatron.launch import megatron as launcher
 from mechmon_megatron.layouts.megatron_qkv import _owning_optimizer, fp32_weight
 
-real_install = megatron_lm.install
+real_install = lm.install
 
 
 def raise_(where, exc):
@@ -176,7 +176,7 @@ def install(config, *args, **kwargs):
     return hooks
 
 
-megatron_lm.install = install
+lm.install = install
 sys.exit(launcher.main(sys.argv[1:]))
 '''
 
@@ -466,7 +466,7 @@ def test_the_readmes_cpu_dry_run_runs_as_written_and_computes_every_family(tmp_p
 
     # Every family the dense model has, computed within 20 iterations (the first QK update at 4).
     last = rows[-1]
-    for prefix in ("attn/delta2/entropy/layer_", "attn/layer_delta2/", "optim/update_ratio/",
+    for prefix in ("attn/delta2/entropy/layer_", "attn/layer_delta2/", "optim/update_ratio_step/",
                    "optim/sharpness/eos_ratio", "global/loss", "global/grad_norm"):
         assert observed(prefix, last) > 0, (prefix, sorted(last["signals"])[:20])
     assert all(observed("attn/delta2/", r) > 0 for r in rows[1:])

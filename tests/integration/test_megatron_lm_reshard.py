@@ -39,10 +39,10 @@ import sys
 
 import torch.distributed as dist
 
-from mechmon_megatron.integrations import megatron_lm
+from mechmon_megatron.integrations.megatron import lm
 from mechmon_megatron.launch import megatron as launcher
 
-real_install = megatron_lm.install
+real_install = lm.install
 
 
 def raise_(where, exc):
@@ -76,7 +76,7 @@ def install(config, *args, **kwargs):
     return hooks
 
 
-megatron_lm.install = install
+lm.install = install
 sys.exit(launcher.main(sys.argv[1:]))
 '''
 

@@ -3,7 +3,7 @@
 One megatron-core GPT (2 layers, GQA) with AdamW (beta2 0.95) and a 10-step LR warm-up, one
 mechmon config, attached through each integration on one gloo rank:
 
-- ``megatron_core.attach`` (what the reference trainer calls), warm-up and beta2 given;
+- ``integrations.megatron.core.attach`` (what the reference trainer calls), warm-up and beta2 given;
 - Megatron-LM's hooks (``setup_model_and_optimizer`` wrapped; the scheduler counts samples:
   warm-up 10 x global batch 4, ``--adam-beta2``);
 - the Megatron-Bridge callback's ``on_train_start`` (``cfg.scheduler``-made scheduler,
@@ -57,8 +57,8 @@ def _worker(rank: int, world_size: int, tmp: str, callbacks: str | None) -> dict
     from mechmon_megatron.assembly import describe
     from mechmon_megatron.config import load_config
     from mechmon_megatron.deepspeed import attach as deepspeed_attach
-    from mechmon_megatron.integrations import megatron_core, megatron_lm
-    from mechmon_megatron.integrations.megatron_bridge import MechMonCallback
+    from mechmon_megatron.integrations.megatron import core, lm
+    from mechmon_megatron.integrations.megatron.bridge import MechMonCallback
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
     init_parallel(ParallelSpec())
@@ -77,7 +77,7 @@ def _worker(rank: int, world_size: int, tmp: str, callbacks: str | None) -> dict
 
     out = {}
     model, opt = model_and_optimizer()
-    mon = megatron_core.attach(config("megatron_core"), [model], opt,
+    mon = core.attach(config("megatron_core"), [model], opt,
                                probe_loss=lambda forward: None, has_batch=lambda: False,
                                warmup_steps=WARMUP, beta2=BETA2)
     out["megatron_core"] = describe(mon)
@@ -87,7 +87,7 @@ def _worker(rank: int, world_size: int, tmp: str, callbacks: str | None) -> dict
                iteration=0)
     training = NS(get_args=lambda: margs, get_tensorboard_writer=lambda: None,
                   get_wandb_writer=lambda: None)
-    hooks = megatron_lm.MegatronLMHooks(config("megatron_lm"), training)
+    hooks = lm.MegatronLMHooks(config("megatron_lm"), training)
     hooks.originals["setup_model_and_optimizer"] = lambda: (
         [model], opt, NS(lr_warmup_steps=WARMUP * GBS))
     hooks._setup_model_and_optimizer()

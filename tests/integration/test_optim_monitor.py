@@ -81,8 +81,8 @@ def test_sharpness_is_the_same_under_model_parallelism(runs: dict, single: str, 
         assert math.isfinite(lam_a) and lam_a > 0
         assert lam_b == pytest.approx(lam_a, rel=0.02), (step, lam_a, lam_b)
         assert b["optim/sharpness/iters"] == 4
-        ratio = "optim/update_ratio/all"
+        ratio = "optim/update_ratio_step/all"
         assert b[ratio] == pytest.approx(a[ratio], rel=1e-3)
-        for key in ("optim/update_ratio/qkv/layer_1", "optim/update_ratio/mlp/layer_2",
-                    "optim/update_ratio/embedding"):
+        for key in ("optim/update_ratio_step/qkv/layer_1", "optim/update_ratio_step/mlp/layer_2",
+                    "optim/update_ratio_step/embedding"):
             assert b[key] == pytest.approx(a[key], rel=1e-3), key

@@ -22,7 +22,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
     import torch
 
-    from mechmon_megatron.integrations.mcore_optim import optim_source
+    from mechmon_megatron.integrations.megatron.core_optim import optim_source
     from mechmon_megatron.monitors.probe_context import FrozenTopK
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
@@ -98,7 +98,7 @@ def _keys_under_pp(rank: int, world_size: int) -> dict:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from mechmon_megatron.integrations.mcore_optim import optim_holders, optim_source
+    from mechmon_megatron.integrations.megatron.core_optim import optim_holders, optim_source
     from mechmon_megatron.train.model import ParallelSpec, init_parallel
 
     torch.Tensor.cuda = lambda self, *a, **k: self  # the embedding copy's sync (this process)

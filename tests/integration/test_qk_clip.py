@@ -54,7 +54,7 @@ def _signals(parallel, tp_rank: int, tp_size: int, when: str, mla: bool) -> dict
     import torch
 
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.integrations.megatron.core import attach
     from mechmon_megatron.train.model import ModelSpec, build_gpt
 
     kw = dict(num_layers=2, hidden_size=64, num_attention_heads=HEADS, num_query_groups=GROUPS,
@@ -220,7 +220,7 @@ def _resumed_snapshots(rank: int, world_size: int) -> dict:
     """Snapshots a resume keeps for a QK-clipped model: a checkpoint after the snapshot's step
     (clips in between are not in the state) or at it (``rebuild``: nothing pending)."""
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.integrations.megatron.core import attach
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
     init_parallel(ParallelSpec())

@@ -124,7 +124,7 @@ def _worker(rank: int, world_size: int, steps: int) -> dict:
     import torch
     from megatron.core import parallel_state as ps
 
-    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.integrations.megatron.core import attach
     from mechmon_megatron.train.model import ModelSpec, ParallelSpec, build_gpt, init_parallel
 
     parallel = ParallelSpec(tp=world_size)

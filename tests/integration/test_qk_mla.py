@@ -115,7 +115,7 @@ def _full_attention_weights(model) -> list[dict[str, torch.Tensor]]:
 
 
 def _worker(rank: int, world_size: int) -> dict:
-    from mechmon_megatron.integrations.megatron_core import attach
+    from mechmon_megatron.integrations.megatron.core import attach
     from mechmon_megatron.train.model import ParallelSpec, build_gpt, init_parallel
 
     parallel = ParallelSpec(tp=world_size)

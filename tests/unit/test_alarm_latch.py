@@ -74,7 +74,7 @@ class _DeepSpeedEngine:
 
 @pytest.mark.filterwarnings("ignore:mechmon. no monitor state in:RuntimeWarning")
 def test_a_deepspeed_load_without_monitor_state_raises_the_alarm_of_alarm_json(tmp_path):
-    from mechmon_megatron.integrations.deepspeed import DeepSpeedMechMon
+    from mechmon_megatron.integrations.deepspeed.engine import DeepSpeedMechMon
 
     write_alarm_json(make_alarm(), tmp_path / "save")
     engine = _DeepSpeedEngine()

@@ -43,13 +43,13 @@ def test_router_first_is_router_collapse():
 
 
 def test_update_ratios_of_the_router_group_alone_name_the_router_not_the_learning_rate():
-    alone = diagnose([_finding("optim/update_ratio/router", 3200),
-                      _finding("optim/update_ratio/router/layer_2", 3200)])
+    alone = diagnose([_finding("optim/update_ratio_step/router", 3200),
+                      _finding("optim/update_ratio_step/router/layer_2", 3200)])
     assert (alone.fault_class, alone.families) == ("router_collapse", ["router"])
     assert {e["family"] for e in alone.evidence} == {"router"}
     # a learning-rate fault moves every group: the router group among them stays `lr`
-    every = diagnose([_finding("optim/update_ratio/router", 3300),
-                      _finding("optim/update_ratio/qkv", 3300)])
+    every = diagnose([_finding("optim/update_ratio_step/router", 3300),
+                      _finding("optim/update_ratio_step/qkv", 3300)])
     assert (every.fault_class, every.families) == ("lr", ["optim"])
     sharp = diagnose([_finding("optim/sharpness/eos_ratio", 300, detector="bounds")])
     assert sharp.fault_class == "lr"
@@ -68,7 +68,7 @@ def test_the_sharpness_bound_names_the_router_when_its_top_eigenvector_lives_the
         assert attribution.locate(eos, table).locus is None
         assert diagnose([attribution.locate(eos, table)]).fault_class == "lr"
     # a group's update ratio is not located by the mode: another group's keeps it `lr`
-    ratio = _finding("optim/update_ratio/qkv", 300)
+    ratio = _finding("optim/update_ratio_step/qkv", 300)
     assert attribution.locate(ratio, {share: 0.9}).locus is None
     assert diagnose([router, attribution.locate(ratio, {share: 0.9})]).fault_class == "lr"
     # through the bank: the same sample's share sets the locus of the bound's finding
@@ -95,7 +95,7 @@ def test_the_whole_model_update_ratio_names_the_router_when_the_router_makes_its
                 f"{sq}mlp/layer_1": mlp / 2, f"{sq}mlp/layer_2": mlp / 2,
                 f"{sq}qkv/layer_1": 1.0, f"{sq}embedding": 2.0, f"{sq}norm": float("nan")}
 
-    ratio = _finding("optim/update_ratio/all", 300)
+    ratio = _finding("optim/update_ratio_step/all", 300)
     router_side = _finding("router/entropy_mean/layer_2", 300)
     located = attribution.locate(ratio, table(router=40.0, mlp=3.0))
     assert located.locus == "router"  # the router's updates make the whole-model ratio
@@ -111,7 +111,7 @@ def test_the_whole_model_update_ratio_names_the_router_when_the_router_makes_its
     assert attribution.locate(eos, split).locus is None
     assert attribution.locate(eos, {**split, **table(router=40.0, mlp=3.0)}).locus == "router"
     # only the whole-model ratio is located by the update: a group's ratio keeps its group
-    qkv = _finding("optim/update_ratio/qkv", 300)
+    qkv = _finding("optim/update_ratio_step/qkv", 300)
     assert attribution.locate(qkv, table(router=40.0, mlp=3.0)).locus is None
 
 

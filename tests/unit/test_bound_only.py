@@ -13,7 +13,7 @@ from mechmon_megatron.detect import DetectorBank
 
 EOS = "optim/sharpness/eos_ratio"
 RISE = "optim/sharpness/eos_ratio_lr_rise"
-RATIOS = [f"optim/update_ratio/qkv/layer_{i}" for i in (1, 2)]
+RATIOS = [f"optim/update_ratio_step/qkv/layer_{i}" for i in (1, 2)]
 
 
 def _bank(names: list[str]) -> DetectorBank:

@@ -9,7 +9,7 @@ import math
 from mechmon_megatron.alarm import config_hash
 from mechmon_megatron.commands import config_cmd
 from mechmon_megatron.config import load_config
-from mechmon_megatron.integrations import megatron_core
+from mechmon_megatron.integrations.megatron import core
 from mechmon_megatron.monitor import MechMon
 from tests._dist import run_distributed
 from tests.unit.test_monitor_state import SyntheticMonitor
@@ -42,7 +42,7 @@ def _qk_seeds(_rank: int, _world: int) -> list[int]:
     for seed in (1234, 7):
         cfg = load_config({"seed": seed, "router": {"enabled": False},
                            "optim": {"enabled": False}})
-        seeds += [m.seed for m in megatron_core.build_monitors(cfg, [model])]
+        seeds += [m.seed for m in core.build_monitors(cfg, [model])]
     return seeds
 
 

@@ -35,13 +35,13 @@ def _logs(shift_from: int | None, shift: float, trend: float = 0.0, seed: int = 
 
 def test_module_signals_are_the_faulty_layers_attention_signals():
     names = [ENT, OTHER, "attn/coherence/cos/layer_2/max", "attn/layer_delta2/entropy/layer_2",
-             "attn/layer_delta2/entropy/layer_12", "optim/update_ratio/qkv/layer_2",
+             "attn/layer_delta2/entropy/layer_12", "optim/update_ratio_step/qkv/layer_2",
              "router/entropy_mean/layer_1"]
     fault = {"kind": "attention", "attention": {"layers": [2]}}
     assert module_signals(fault, names) == ["attn/coherence/cos/layer_2/max",
                                             ENT, "attn/layer_delta2/entropy/layer_2"]
     lr = module_signals({"kind": "lr"}, names)
-    assert lr == ["optim/update_ratio/qkv/layer_2"]
+    assert lr == ["optim/update_ratio_step/qkv/layer_2"]
     both = module_signals({"kind": "compound", "compound": ["attention", "router"],
                            "attention": {"layers": [1]}}, names)
     assert both == [OTHER, "router/entropy_mean/layer_1"]

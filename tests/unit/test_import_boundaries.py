@@ -63,3 +63,9 @@ def test_integrations_import_frameworks_lazily():
         if rel.startswith(("integrations/", "layouts/", "launch/")) or rel == "deepspeed.py":
             eager = [m for m, top in _imports(path) if top and m.split(".")[0] in FRAMEWORKS]
             assert eager == [], (rel, eager)
+
+
+def test_every_import_is_absolute_so_integrations_deepspeed_never_shadows_deepspeed():
+    relative = [rel for rel, path in _sources() for node in ast.walk(ast.parse(path.read_text()))
+                if isinstance(node, ast.ImportFrom) and node.level > 0]
+    assert relative == []

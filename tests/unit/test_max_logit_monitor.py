@@ -13,7 +13,7 @@ import torch
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect import DetectorBank
 from mechmon_megatron.detect.detectors import Cusum
-from mechmon_megatron.integrations.mcore_max_logit import max_logit_monitor
+from mechmon_megatron.integrations.megatron.core_max_logit import max_logit_monitor
 from mechmon_megatron.monitors.max_logit import MaxLogitMonitor, max_logit_names
 from tests.unit.test_fp8_monitor import _model
 

@@ -44,11 +44,11 @@ def test_cross_attention_is_refused():
 
 def test_a_model_without_attention_is_an_error_when_the_qk_monitor_is_on():
     from mechmon_megatron.config import load_config
-    from mechmon_megatron.integrations import megatron_core
+    from mechmon_megatron.integrations.megatron import core
 
     config = load_config({"router": {"enabled": False}})
     with pytest.raises(ValueError, match="no megatron-core SelfAttention"):
-        megatron_core.build_monitors(config, [torch.nn.Linear(4, 4)])
+        core.build_monitors(config, [torch.nn.Linear(4, 4)])
 
 
 def test_a_low_precision_read_names_its_reason():

@@ -119,7 +119,8 @@ def test_a_muon_run_warns_once_names_muon_judges_update_ratios_and_trains_unchan
     assert on.exit_code == off.exit_code == 0 and losses[0] == losses[1]
     rows = [json.loads(line) for line in (tmp_path / "on" / "metrics.jsonl").open()]
     last = rows[-1]["signals"]
-    assert math.isfinite(last["optim/update_ratio/all"]) and last["optim/update_ratio/all"] > 0
+    ratio = last["optim/update_ratio_step/all"]
+    assert math.isfinite(ratio) and ratio > 0
     assert all(r["signals"]["optim/sharpness/eos_ratio"] is None
                or math.isnan(r["signals"]["optim/sharpness/eos_ratio"]) for r in rows)
     assert not (tmp_path / "on" / "alarm.json").exists()

@@ -29,11 +29,11 @@ def test_group_totals_include_layerless_tensors_once():
     for key, (u, w) in sq.items():
         table[f"optim/update_sq/{key}"], table[f"optim/weight_sq/{key}"] = u, w
     out = mon.derive(table)
-    assert out["optim/update_ratio/norm/layer_1"] == pytest.approx(math.sqrt(1 / 9))
-    assert out["optim/update_ratio/norm"] == pytest.approx(math.sqrt(7 / 36))
-    assert out["optim/update_ratio/qkv"] == pytest.approx(0.5)
-    assert out["optim/update_ratio/embedding"] == pytest.approx(0.1)
-    assert out["optim/update_ratio/all"] == pytest.approx(math.sqrt(17 / 172))
+    assert out["optim/update_ratio_step/norm/layer_1"] == pytest.approx(math.sqrt(1 / 9))
+    assert out["optim/update_ratio_step/norm"] == pytest.approx(math.sqrt(7 / 36))
+    assert out["optim/update_ratio_step/qkv"] == pytest.approx(0.5)
+    assert out["optim/update_ratio_step/embedding"] == pytest.approx(0.1)
+    assert out["optim/update_ratio_step/all"] == pytest.approx(math.sqrt(17 / 172))
     assert set(out) <= set(mon.signal_names())
 
 
@@ -92,3 +92,33 @@ def test_the_interval_window_snapshot_is_restored_only_on_the_rank_that_read_it(
     other = OptimMonitor(config, source, {"qkv/layer_1": 1})
     other.load_state_dict(dict(state, reader=[1, 2]))
     assert other.snapshot is None and other.snapshot_step == -1
+
+
+@pytest.mark.parametrize("window", ["step", "interval"])
+def test_the_ratio_names_say_the_window_they_span(window):
+    config = OptimMonitorConfig()
+    config.sharpness.enabled = False
+    config.update_ratio.window = window
+    mon = OptimMonitor(config, OptimSource(params=[], read=list), {"qkv/layer_1": 1})
+    ratios = {n for n in mon.signal_names() if n.startswith("optim/update_ratio")}
+    assert ratios == {f"optim/update_ratio_{window}/{k}" for k in ("qkv/layer_1", "qkv", "all")}
+    table = {"optim/update_sq/qkv/layer_1": 1.0, "optim/weight_sq/qkv/layer_1": 4.0}
+    assert {n for n in mon.derive(table) if n.startswith("optim/update_ratio")} == ratios
+
+
+def test_an_unknown_ratio_window_is_an_error_naming_the_allowed_ones():
+    from mechmon_megatron.monitors.update_ratio import ratio_prefix
+
+    assert ratio_prefix("ckpt") == "optim/update_ratio_ckpt"
+    with pytest.raises(ValueError, match="step, interval, ckpt"):
+        ratio_prefix("epoch")
+
+
+def test_the_optim_detectors_watch_the_group_and_model_ratios_of_every_window():
+    from mechmon_megatron.config import load_config
+    from mechmon_megatron.detect import DetectorBank
+
+    names = [f"optim/update_ratio_{w}/{k}" for w in ("step", "interval", "ckpt")
+             for k in ("qkv/layer_1", "qkv", "all")]
+    watched = set(DetectorBank(load_config({}), names).channels)
+    assert watched == {n for n in names if "/layer_" not in n}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mechmon_megatron import cli
-from mechmon_megatron.integrations import megatron_lm
+from mechmon_megatron.integrations.megatron import lm
 from mechmon_megatron.launch import megatron as launcher
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,9 +156,9 @@ def test_the_launchers_flags_and_the_modules_run_with_m_exist():
         assert importlib.util.find_spec(module) is not None, module
     assert {"mechmon_megatron", "mechmon_megatron.launch.megatron"} <= modules
     # torchrun's own flags come before the module; the launcher's are --cpu and --mechmon-config.
-    ours = {f for f in launcher_flags if f in (launcher.CPU, megatron_lm.FLAG)
+    ours = {f for f in launcher_flags if f in (launcher.CPU, lm.FLAG)
             or "mechmon" in f}
-    assert ours == {launcher.CPU, megatron_lm.FLAG}, launcher_flags
+    assert ours == {launcher.CPU, lm.FLAG}, launcher_flags
 
 
 def test_the_names_python_blocks_import_from_mechmon_exist():

@@ -104,7 +104,7 @@ def test_plain_state_dicts_give_the_exact_per_head_delta2_spectra(tmp_path):
         _values(result, 300, "attn/delta2/entropy/layer_1"))
     w0, w1 = weights[200][FC1.format(0)], weights[300][FC1.format(0)]
     expected = float((w1 - w0).norm() / w0.norm())
-    assert signals["optim/update_ratio/mlp/layer_1"] == pytest.approx(expected, rel=1e-6)
+    assert signals["optim/update_ratio_ckpt/mlp/layer_1"] == pytest.approx(expected, rel=1e-6)
     assert "router/weight_cosine/layer_2" in signals
     assert 0 < signals["attn/qk_coherence/layer_1"] < 2
 

@@ -48,8 +48,8 @@ def test_the_eos_bound_judges_only_after_the_delay_other_families_from_start_ste
 def test_integrations_read_the_warm_up_and_beta2_their_framework_keeps():
     from types import SimpleNamespace as NS
 
-    from mechmon_megatron.integrations import deepspeed_monitors as ds
-    from mechmon_megatron.integrations.megatron_core import megatron_schedule
+    from mechmon_megatron.integrations.deepspeed import monitors as ds
+    from mechmon_megatron.integrations.megatron.core import megatron_schedule
 
     # Megatron's (and Bridge's) scheduler counts samples: 40 iterations x global batch 16.
     margs = NS(global_batch_size=16, optimizer="adam", adam_beta2=0.95)

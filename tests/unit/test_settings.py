@@ -1,9 +1,9 @@
 """Settings say what they do: the master switch, pattern typos, layers the model lacks.
 
 A setting that silently does nothing reads as protection that is not there: ``enabled: false``
-must switch mechmon off in ``megatron_core.attach`` as it does everywhere else, a detector
-pattern that matches no signal warns whichever setting holds it (as ``signals`` always did), and
-``qk.layers`` naming layers the model does not have is an error naming them.
+must switch mechmon off in ``integrations.megatron.core.attach`` as it does everywhere else, a
+detector pattern that matches no signal warns whichever setting holds it (as ``signals`` always
+did), and ``qk.layers`` naming layers the model does not have is an error naming them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from mechmon_megatron.config import load_config
 from mechmon_megatron.detect import DetectorBank
-from mechmon_megatron.integrations import megatron_core
+from mechmon_megatron.integrations.megatron import core
 from mechmon_megatron.monitors.qk_source import QKSource
 from mechmon_megatron.monitors.qk_update import QKUpdateMonitor
 
@@ -27,8 +27,8 @@ def test_attach_with_enabled_false_builds_nothing_and_judges_nothing(monkeypatch
     def build(*args, **kwargs):
         raise AssertionError("attach built monitors although enabled: false")
 
-    monkeypatch.setattr(megatron_core, "build_monitors", build)
-    mon = megatron_core.attach(load_config({"enabled": False}), [torch.nn.Linear(4, 4)])
+    monkeypatch.setattr(core, "build_monitors", build)
+    mon = core.attach(load_config({"enabled": False}), [torch.nn.Linear(4, 4)])
     for step in range(1, 4):
         mon.begin_step(step)
         verdict = mon.end_step(step, loss=float("nan"), grad_norm=float("inf"))

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem
+from mechmon_megatron.integrations.deepspeed.zero3 import zero3_memory_problem
 
 
 class _Part:

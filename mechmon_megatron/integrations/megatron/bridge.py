@@ -3,7 +3,7 @@
 ::
 
     from megatron.bridge.training.pretrain import pretrain
-    from mechmon_megatron.integrations.megatron_bridge import MechMonCallback
+    from mechmon_megatron.integrations.megatron.bridge import MechMonCallback
 
     pretrain(config, forward_step, callbacks=[MechMonCallback("mechmon.yaml")])
 
@@ -15,10 +15,10 @@ completed updates, incremented after ``on_train_step_end``)::
                                    lr_warmup_steps / train.global_batch_size) and the optim
                                    family ceil(1 / (1 - optimizer.adam_beta2)) steps later;
                                    monitors from ctx.model / ctx.optimizer with the sharpness
-                                   probe (megatron_bridge_probe.py: the step's first forward,
+                                   probe (bridge_probe.py: the step's first forward,
                                    replayed); sinks on rank world_size - 1 with Bridge's
                                    TensorBoard / W&B loggers; the state of <load>/iter_NNNNNNN
-                                   (any parallel layout: integrations/megatron_state.py);
+                                   (any parallel layout: integrations/megatron/checkpoint.py);
                                    check_resume()
     on_train_step_start            begin_step(step + 1)
       train_step                   forward/backward/optimizer step
@@ -61,17 +61,18 @@ from typing import Any
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import Restore, assemble
 from mechmon_megatron.config import MechMonConfig, load_config
-from mechmon_megatron.integrations.megatron_bridge_probe import ForwardBatch
-from mechmon_megatron.integrations.megatron_core import (
+from mechmon_megatron.integrations.megatron.bridge_probe import ForwardBatch
+from mechmon_megatron.integrations.megatron.checkpoint import (
+    iteration_dir,
+    restore_iteration,
+    save_state,
+    state_path,
+)
+from mechmon_megatron.integrations.megatron.core import (
     McoreFramework,
     force_param_sync,
     megatron_schedule,
     needs_param_sync,
-)
-from mechmon_megatron.integrations.megatron_state import (
-    restore_iteration,
-    save_state,
-    state_path,
 )
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
@@ -80,10 +81,6 @@ __all__ = ["BridgeActions", "BridgeFramework", "MechMonCallback", "state_path"]
 
 TRAIN_MODULE = "megatron.bridge.training.train"
 LOSS_KEY = "lm loss"
-
-
-def _iteration_dir(save: str, iteration: int) -> str:
-    return os.path.join(save, f"iter_{iteration:07d}")
 
 
 class BridgeActions:
@@ -104,7 +101,7 @@ class BridgeActions:
                               "a checkpoint", RuntimeWarning, stacklevel=2)
             return None
         self.save_step = int(step)
-        return _iteration_dir(save, int(step))
+        return iteration_dir(save, int(step))
 
     def request_exit(self, exit_code: int) -> None:
         """Set Bridge's exit-signal-handler flag; its loop saves and leaves after this step."""
@@ -237,7 +234,7 @@ class MechMonCallback:
             save = state.cfg.checkpoint.save
             if save and not kwargs.get("non_persistent_ckpt"):
                 step = int(state.train_state.step)
-                directory = _iteration_dir(save, step)
+                directory = iteration_dir(save, step)
                 self.mon.note_checkpoint(step, directory)
                 save_state(self.mon, directory, step)
             return result

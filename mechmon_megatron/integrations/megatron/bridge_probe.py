@@ -2,7 +2,7 @@
 
 Bridge binds its ``train_step`` and ``forward_step_func`` inside ``train()`` before the first
 callback fires, so the callback cannot wrap ``forward_step_func`` as Megatron-LM's hooks do
-(:mod:`~mechmon_megatron.integrations.megatron_lm_probe`). It keeps instead, by reference, the
+(:mod:`~mechmon_megatron.integrations.megatron.lm_probe`). It keeps instead, by reference, the
 inputs of the first grad-enabled forward of each step of the first model chunk (a forward
 pre-hook; nothing copied), and the probe replays them::
 

@@ -8,8 +8,8 @@ available, and the launcher applies it only with ``--cpu``.
 
 Every patch replaces device plumbing, never arithmetic: a place where the CUDA code path would
 raise on a CPU-only machine is made to do what it does on a GPU, on the CPU. The megatron-core
-layer (devices, RNG tracker, streams) is :mod:`mechmon_megatron.integrations.mcore_cpu`; on top
-of it, for Megatron-LM (``megatron.training``) at core_v0.16.1:
+layer (devices, RNG tracker, streams) is :mod:`mechmon_megatron.integrations.megatron.core_cpu`;
+on top of it, for Megatron-LM (``megatron.training``) at core_v0.16.1:
 
 - C1 ``custom_layers.batch_invariant_kernels`` imports triton at import time (only for
   ``--batch-invariant-mode``): a stand-in module whose ``enable_batch_invariant_mode`` refuses.
@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.integrations import mcore_cpu
+from mechmon_megatron.integrations.megatron import core_cpu
 
 __all__ = ["CPU_FLAGS", "apply", "is_applied"]
 
@@ -97,7 +97,7 @@ def apply() -> bool:
     if torch.cuda.is_available():
         return False
     _stand_in_batch_invariant_kernels()                                       # C1
-    mcore_cpu.apply()
+    core_cpu.apply()
     torch.Tensor.cuda = _same_tensor  # type: ignore[method-assign]        # C7
     torch.nn.Module.cuda = _same_module  # type: ignore[method-assign]
     torch.cuda.get_device_capability = lambda *a, **k: (0, 0)  # type: ignore[assignment]  # C8
@@ -248,7 +248,7 @@ def _cpu_factories_in_megatron_modules() -> None:
     ``device="cuda"`` tensors on the CPU (modules imported later keep the real one)."""
     import megatron.training.training  # noqa: F401 - import the loop's modules first
 
-    cpu_torch = mcore_cpu.torch_with_cpu_default()
+    cpu_torch = core_cpu.torch_with_cpu_default()
     for name, module in list(sys.modules.items()):
         if (name.startswith("megatron.") and isinstance(module, types.ModuleType)
                 and module.__dict__.get("torch") is torch):

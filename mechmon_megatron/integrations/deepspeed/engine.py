@@ -49,9 +49,9 @@ reduced over :func:`mechmon_megatron.layouts.deepspeed_moe.router_group`. Tensor
 (an ``mpu`` with model-parallel size > 1, e.g. Megatron-DeepSpeed) are not supported by the
 HF-style QK layout and are rejected at attach time when the QK monitor is enabled; the optim
 family skips them with a warning. The config block and the monitors:
-:mod:`mechmon_megatron.integrations.deepspeed_monitors`; the optim family's reads and probe:
-:mod:`mechmon_megatron.integrations.deepspeed_optim` (ZeRO-3:
-:mod:`mechmon_megatron.integrations.deepspeed_zero3`).
+:mod:`mechmon_megatron.integrations.deepspeed.monitors`; the optim family's reads and probe:
+:mod:`mechmon_megatron.integrations.deepspeed.optim` (ZeRO-3:
+:mod:`mechmon_megatron.integrations.deepspeed.zero3`).
 """
 
 from __future__ import annotations
@@ -68,14 +68,14 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import Restore, assemble, resume
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.integrations.deepspeed_monitors import (
+from mechmon_megatron.integrations.deepspeed.monitors import (
     CONFIG_KEY,
     adam_beta2,
     build_monitors,
     engine_config,
     warmup_steps,
 )
-from mechmon_megatron.integrations.deepspeed_optim import BatchCache
+from mechmon_megatron.integrations.deepspeed.optim import BatchCache
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import Sink, build_sinks
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.integrations.mcore_mla import mla_sources
+from mechmon_megatron.integrations.megatron.core_mla import mla_sources
 from mechmon_megatron.layouts.megatron_mla import is_mla
 from mechmon_megatron.layouts.megatron_qkv import (
     find_attention_modules,
@@ -44,7 +44,7 @@ def qk_sources(model_chunks: list[torch.nn.Module], optimizer: Any = None, dp_ra
     (:func:`~mechmon_megatron.monitors.qk_source.owner_replica`); sharded fp32 main params are
     then reduced to the layer's owner only, and a DP group without the owner skips the exchange.
 
-    Multi-latent attention layers give two sources each (:mod:`.mcore_mla`), tagged ``""``
+    Multi-latent attention layers give two sources each (:mod:`.core_mla`), tagged ``""``
     (no-RoPE form) and ``"rope_"``.
 
     Raises:
@@ -118,7 +118,7 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
                     dp_rank=dp_rank, dp_size=dp_size, tag=tag, clipped=sorted(clipped),
                     dp_group=ps.get_data_parallel_group(with_context_parallel=True)))
     if config.qk.enabled and config.qk.max_logit:
-        from mechmon_megatron.integrations.mcore_max_logit import max_logit_monitor
+        from mechmon_megatron.integrations.megatron.core_max_logit import max_logit_monitor
 
         logits = max_logit_monitor(config, model_chunks)
         if logits is not None:
@@ -136,13 +136,13 @@ def build_monitors(config: Any, model_chunks: list[torch.nn.Module],
             warnings.warn("mechmon: router.enabled is true but the model has no MoE routers; "
                           "the router monitor does nothing", RuntimeWarning, stacklevel=2)
     if config.fp8.enabled is not False:
-        from mechmon_megatron.integrations.mcore_fp8 import fp8_monitor
+        from mechmon_megatron.integrations.megatron.core_fp8 import fp8_monitor
 
         fp8 = fp8_monitor(config, model_chunks)
         if fp8 is not None:
             monitors.append(fp8)
     if config.optim.enabled:
-        from mechmon_megatron.integrations.mcore_optim import optim_holders, optim_source
+        from mechmon_megatron.integrations.megatron.core_optim import optim_holders, optim_source
         from mechmon_megatron.monitors.optim import OptimMonitor
         from mechmon_megatron.monitors.optimizer_kind import not_adam, sharpness_off
 

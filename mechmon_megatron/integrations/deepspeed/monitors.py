@@ -3,9 +3,9 @@ r"""DeepSpeed: the ``"mechmon"`` config block and the monitors built over an eng
 :func:`engine_config` reads and validates the block (or an override); :func:`build_monitors`
 builds the enabled families over ``engine.module`` (QK over HF-style attention with the work
 split over data-parallel replicas, the router over DeepSpeed-MoE ``TopKGate``\ s, the optimizer
-family through :mod:`~mechmon_megatron.integrations.deepspeed_optim`); :func:`warmup_steps` and
+family through :mod:`~mechmon_megatron.integrations.deepspeed.optim`); :func:`warmup_steps` and
 :func:`adam_beta2` give the schedule what the engine knows. Used by
-:mod:`~mechmon_megatron.integrations.deepspeed` (the hooks).
+:mod:`~mechmon_megatron.integrations.deepspeed.engine` (the hooks).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def engine_config(engine: Any,
 def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> list[Any]:
     """The configured monitors over ``engine.module`` (collective: small metadata gathers).
 
-    ``batch``: the hooks' :class:`~mechmon_megatron.integrations.deepspeed_optim.BatchCache`
+    ``batch``: the hooks' :class:`~mechmon_megatron.integrations.deepspeed.optim.BatchCache`
     (the optim family's sharpness probe needs it; without it, update ratios only).
 
     Raises:
@@ -106,7 +106,7 @@ def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> lis
         from deepspeed.utils import groups
         from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 
-        from mechmon_megatron.integrations.deepspeed_optim import deepspeed_optim_source
+        from mechmon_megatron.integrations.deepspeed.optim import deepspeed_optim_source
         from mechmon_megatron.monitors.optim import OptimMonitor, optim_holders
 
         if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:

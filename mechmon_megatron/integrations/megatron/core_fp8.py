@@ -3,7 +3,7 @@
 TE modules are found by their attribute layout (:mod:`mechmon_megatron.layouts.te_fp8`), so
 nothing here imports transformer_engine. The model-wide catalog of ``(layer, module path)``
 pairs is agreed with one all-gather over the world, so pipeline stages without TE modules still
-declare every signal. (Max attention logits: integrations/mcore_max_logit.py.)
+declare every signal. (Max attention logits: integrations/megatron/core_max_logit.py.)
 """
 
 from __future__ import annotations

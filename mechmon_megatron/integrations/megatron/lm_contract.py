@@ -1,6 +1,6 @@
 """The Megatron-LM symbols the launcher relies on, checked before Megatron starts.
 
-:mod:`mechmon_megatron.integrations.megatron_lm` wraps module globals of
+:mod:`mechmon_megatron.integrations.megatron.lm` wraps module globals of
 ``megatron.training.training`` and reads what they return. An upstream rename must stop the job
 at install with one error, never turn into a silent misread mid-run. :func:`check` verifies, on
 the imported module (core_v0.16.1 and main differ only where noted):

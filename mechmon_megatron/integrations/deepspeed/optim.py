@@ -29,7 +29,7 @@ lr/betas/eps and the step from the wrapped optimizer's group.
 
 ZeRO-3: the module's parameters are partitioned placeholders (``numel() == 0`` outside
 DeepSpeed's gather hooks), so the probe works on this rank's partitions and evaluates gradients
-through the module's own hooks (:mod:`mechmon_megatron.integrations.deepspeed_zero3`); update
+through the module's own hooks (:mod:`mechmon_megatron.integrations.deepspeed.zero3`); update
 ratios read this rank's fp32 partitions.
 """
 
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.integrations.deepspeed_zero3 import zero3_memory_problem, zero3_probe
+from mechmon_megatron.integrations.deepspeed.zero3 import zero3_memory_problem, zero3_probe
 from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight, local_fp32
 from mechmon_megatron.layouts.deepspeed_moe import find_topk_gates
 from mechmon_megatron.layouts.param_groups import classify

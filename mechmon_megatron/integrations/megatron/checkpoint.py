@@ -38,13 +38,18 @@ from mechmon_megatron.atomic_write import atomic_write
 from mechmon_megatron.monitor_state import aligned
 from mechmon_megatron.plain_state import StateFileError, load_state_file, plain_state
 
-__all__ = ["SHARD_DIR", "current_layout", "load_state", "restore_iteration", "row_sharded",
-           "save_state", "state_path"]
+__all__ = ["SHARD_DIR", "current_layout", "iteration_dir", "load_state", "restore_iteration",
+           "row_sharded", "save_state", "state_path"]
 
 SHARD_DIR = "mechmon"
 """Subdirectory of an iteration directory holding the sharded snapshots."""
 
 _FORMAT = 2
+
+
+def iteration_dir(save: str, iteration: int) -> str:
+    """``<save>/iter_NNNNNNN``, Megatron's (and Bridge's) directory of a checkpoint iteration."""
+    return os.path.join(save, f"iter_{int(iteration):07d}")
 
 
 def state_path(checkpoint_dir: str, rank: int) -> str:
@@ -197,7 +202,7 @@ def restore_iteration(mon: Any, load: str | None, iteration: int,
     alarm's file goes to ``save``). ``load`` None or ``iteration`` 0: nothing is loaded."""
     if not load or iteration <= 0:
         return Restore(False, alarm_dir=save)
-    loaded, problem = load_state(mon, os.path.join(load, f"iter_{int(iteration):07d}"))
+    loaded, problem = load_state(mon, iteration_dir(load, iteration))
     if problem is not None and (not loaded or comm.global_rank() == 0):
         warnings.warn(f"mechmon: monitor state of iteration {iteration} "
                       + ("restored, " if loaded else "not restored, ") + problem

@@ -171,10 +171,11 @@ class FamilyDetectorConfig:
     look_signals: list[str] = field(default_factory=list)
     """Per-step signals (patterns) that escalation samples between regular samples
     (``detectors.escalation``; detect/looks.py): quantities of the step's own batch and
-    weights, not of a window, so a look is a sample like a regular one. Each is judged on
-    its looks by its robust-z rule (k of n over the triggering regular sample and its looks,
-    against the same baseline or trailing window, which looks never enter); every look
-    signal counts twice in the false-alarm budget (its regular and its look rule)."""
+    weights, not of a window. Each is judged on its looks by its robust-z rule (k of n over
+    the triggering regular sample and its looks, against the same baseline or trailing window,
+    which looks never enter), as innovations of the run's calibrated step-to-step correlation
+    and as a level beyond the single-sample threshold; every look signal counts three times in
+    the false-alarm budget (its regular rule and the two look readings)."""
     jump_window: int = 5
     """Previous samples the trailing median of ``jump_signals`` is taken over."""
     baseline: BaselineConfig | None = None

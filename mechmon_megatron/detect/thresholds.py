@@ -88,6 +88,8 @@ def threshold_table(bank: Any) -> dict[str, Any]:
         for detector in channel.detectors:
             for label, value in rule_thresholds(detector).items():
                 fam.setdefault(label, {})[name] = value
+    from mechmon_megatron.detect.looks import LOOK_DETECTOR  # looks imports this module
+
     families = {}
     for family in sorted(rules):
         entry: dict[str, Any] = {"signals": counts[family]}
@@ -100,7 +102,7 @@ def threshold_table(bank: Any) -> dict[str, Any]:
         looked = {name: rule.config.threshold for name, rule in bank.looks.rules.items()
                   if rule.family == family}
         if looked:
-            rules[family]["robust_z_look"] = looked
+            rules[family][LOOK_DETECTOR] = looked
         entry["rules"] = {label: _collapse(values)
                           for label, values in sorted(rules[family].items())}
         families[family] = entry

@@ -2,21 +2,24 @@
 
 :meth:`QKBatch._observe_stage` reads every layer (each read's collectives in source order, as
 the per-layer path), then computes what the per-layer path computes one layer at a time in
-batches over the layers of one shape:
+batches over the layers of one shape (:mod:`.qk_stack`, at most 256 MiB of float64 rows a batch):
 
-- per-head spectra: each layer's two Grams and form signals (its arithmetic), then one
-  ``qk_spectra`` over the stacked ``[sum_l H_l, 2K, 2K]`` cores (one batched Cholesky and
-  ``eigvalsh`` per term) and one metrics call;
+- per-head spectra and form signals (:meth:`~.qk_observe.QKObserve._head_tables`): the
+  window's Gram blocks of every head (six D-length products, twelve with the cosine of
+  successive updates), then per term one
+  batched core (balance, Cholesky, ``eigvalsh``) over all ``sum_l H_l`` heads and one metrics
+  call per rank bound;
 - layer spectra: exact (:mod:`mechmon_megatron.math.layer_spectra`, one batched
   ``eigvalsh`` per term) where one rank holds all the layer's heads (``sketch_group`` of one
   rank) and ``n <= EXACT_MAX_DIM``; the randomized sketch (collective over the TP group) only
   where the heads are sharded or the layer is larger.
 
 The per-head values equal the per-layer path's (the same kernels over a larger batch; within
-1e-6 relative where the batched order changes rounding: tests/unit/test_qk_batch.py). The exact
-layer values replace the sketch's estimates: ``entropy_lo = entropy = entropy_hi``.
+1e-6 relative where the batched order changes rounding:
+tests/distributed/test_qk_batch_equivalence.py). The exact layer values replace the sketch's
+estimates: ``entropy_lo = entropy = entropy_hi``.
 
-Values per layer as the per-layer path lays them out (``qk_observe``), with the exact part
+Values per layer as the per-layer path lays them out (:mod:`.qk_observe`), with the exact part
 ``[T, 6]`` (the sketch's metrics per term) in the sketch part's place.
 """
 
@@ -32,7 +35,6 @@ from mechmon_megatron import comm
 from mechmon_megatron.math.layer_spectra import (
     EXACT_MAX_DIM,
     exact_dim,
-    layer_factors,
     layer_metrics,
     layer_sigma2,
 )
@@ -99,17 +101,18 @@ class QKBatch:
                 self._errors(batch, "per-head spectra", exc)
                 continue
             try:
-                tables = self._head_tables(stack, stack.older is not None)
+                tables = self._head_tables(stack)
                 heads.update({s.layer: t for (s, _, _), t in zip(batch, tables, strict=True)})
             except Exception as exc:  # noqa: BLE001
                 self._errors(batch, "per-head spectra", exc)
             if not self._exact(batch[0][0], batch[0][1]):
                 continue
             try:
-                weight_LG = torch.stack([self._groups[s.layer][1] for s, _, _ in batch])
-                table_LT6 = torch.stack([layer_metrics(*layer_sigma2(term, *layer_factors(
-                    term, stack.wq0, stack.wq1, stack.wk0, stack.wk1, stack.group_index,
-                    weight_LG))) for term in self.layer_terms], dim=1)
+                groups = (None if all(self._mha[s.layer] for s, _, _ in batch)
+                          else stack.group_index)
+                table_LT6 = torch.stack([layer_metrics(*layer_sigma2(
+                    term, stack.q0, stack.dq, stack.k0, stack.dk, groups))
+                    for term in self.layer_terms], dim=1)
                 exact.update({s.layer: table_LT6[i].reshape(-1)
                               for i, (s, _, _) in enumerate(batch)})
             except Exception as exc:  # noqa: BLE001
@@ -122,8 +125,9 @@ class QKBatch:
 
     def _exact(self, source: QKSource, pair: Any) -> bool:
         """Whether the layer's spectra are computed exactly: an update, every head on this
-        rank, and every term's ``n <= EXACT_MAX_DIM``."""
-        if pair is None or not self.layer_terms or comm.world_size(source.sketch_group) > 1:
+        rank (every kv group of weight 1), and every term's ``n <= EXACT_MAX_DIM``."""
+        if (pair is None or not self.layer_terms or comm.world_size(source.sketch_group) > 1
+                or not self._unit_weights[source.layer]):
             return False
         (_, wq), (_, wk) = pair
         heads, groups = source.num_heads, source.global_groups(wk.shape[0])

@@ -22,15 +22,10 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
+from mechmon_megatron.math.coherence import update_cosine
+from mechmon_megatron.math.qk_grams import form_sigma1, qk_spectra, term_rank_bound, window_grams
 from mechmon_megatron.math.sketch import sketch_result
-from mechmon_megatron.math.spectra import (
-    METRICS,
-    qk_grams,
-    qk_spectra,
-    spectral_metrics,
-    term_rank_bound,
-)
+from mechmon_megatron.math.spectra import METRICS, spectral_metrics
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS
 from mechmon_megatron.monitors.qk_source import QKSource
@@ -165,37 +160,32 @@ class QKObserve:
         """Per-head values on the device: ``[T, 6, H]`` (the five :data:`METRICS` and the
         degenerate flag per term) then ``[F, H]`` form signals; with ``(terms, form names)``."""
         stack = stack_layers([pair], [older], [source.group_index])
-        return self._head_tables(stack, older is not None)[0]
+        return self._head_tables(stack)[0]
 
-    def _head_tables(self, stack: LayerStack, coherence: bool
+    def _head_tables(self, stack: LayerStack
                      ) -> list[tuple[torch.Tensor, tuple[list[str], list[str]]]]:
         """Head tables of a batch of layers of one shape (:mod:`.qk_stack`), each computation
-        one call over all their heads: per layer ``[T, 6, H]`` then ``[F, H]`` (see
-        :meth:`_head_table`); ``coherence``: the stack holds the older pair."""
-        wq0, wq1, wk0, wk1, group_index = stack.flat()
+        one call over all their heads, from the window's Gram blocks
+        (:mod:`mechmon_megatron.math.qk_grams`): per layer ``[T, 6, H]`` then ``[F, H]`` (see
+        :meth:`_head_table`), rows of one ``[L, 6 T H + F H]`` tensor."""
+        q0, dq, k0, dk, dq_prev, dk_prev, group_index = stack.flat()
+        coherence = ("coherence", "cos") in self.extra and dq_prev is not None
+        grams = window_grams(q0, dq, k0, dk, *((dq_prev, dk_prev) if coherence else ()))
         form: list[tuple[str, torch.Tensor]] = []
-        if ("coherence", "cos") in self.extra and coherence:
-            older_q, older_k = (w.flatten(0, 1) for w in stack.older)
-            form.append((f"attn/{self.tag}coherence/cos", update_cosine(
-                update_factors(wq0, wq1, wk0, wk1, group_index),
-                update_factors(older_q, wq0, older_k, wk0, group_index))))
+        if coherence:
+            form.append((f"attn/{self.tag}coherence/cos", update_cosine(grams, group_index)))
         if ("qk", "sigma1") in self.extra:
-            form.append((f"attn/{self.tag}qk/sigma1", form_sigma1(wq1, wk1, group_index)))
-        spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
-        d_head, d_model = wq1.shape[1], wq1.shape[2]
-        table_T6H = torch.stack([
-            _metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
-            for term, sigma2 in spectra.items()])
-        form_FH = torch.stack([v.to(torch.float64) for _, v in form]) if form else None
+            form.append((f"attn/{self.tag}qk/sigma1", form_sigma1(grams, group_index)))
+        spectra = qk_spectra(grams, group_index, self.terms)
+        n_layers, heads, d_head, d_model = stack.dq.shape
+        table_T6N = _metric_table(spectra, d_head, d_model, self.config.alpha)
+        parts = [table_T6N.view(len(spectra), 6, n_layers, heads).permute(2, 0, 1, 3)]
+        if form:
+            form_FN = torch.stack([v.to(torch.float64) for _, v in form])
+            parts.append(form_FN.view(len(form), n_layers, heads).transpose(0, 1))
+        table_LX = torch.cat([p.reshape(n_layers, -1) for p in parts], dim=1)
         meta = (list(spectra), [name for name, _ in form])
-        heads = stack.wq1.shape[1]
-        out = []
-        for at in range(0, wq1.shape[0], heads):
-            values = [table_T6H[:, :, at:at + heads].reshape(-1)]
-            if form_FH is not None:
-                values.append(form_FH[:, at:at + heads].reshape(-1))
-            out.append((torch.cat(values), meta))
-        return out
+        return [(row, meta) for row in table_LX]
 
     def _decode_head(self, source: QKSource, meta: tuple[list[str], list[str]],
                      values: list[float]) -> dict[str, float]:
@@ -294,7 +284,16 @@ class QKObserve:
         return out
 
 
-def _metric_rows(sigma2_HN: torch.Tensor, rank_bound: int, alpha: float) -> torch.Tensor:
-    """``[6, H]`` float64 on the device: the five :data:`METRICS` and the degenerate flag."""
-    m = spectral_metrics(sigma2_HN, rank_bound, alpha)
-    return torch.stack([*m[:5], m.degenerate.to(torch.float64)])
+def _metric_table(spectra: dict[str, torch.Tensor], d_head: int, d_model: int,
+                  alpha: float) -> torch.Tensor:
+    """``[T, 6, N]`` float64 on the device: per term (in ``spectra``'s order) the five
+    :data:`METRICS` and the degenerate flag, one metrics call per rank bound."""
+    by_bound: dict[int, list[str]] = {}
+    for term in spectra:
+        by_bound.setdefault(term_rank_bound(term, d_head, d_model), []).append(term)
+    rows: dict[str, torch.Tensor] = {}
+    for bound, terms in by_bound.items():
+        m = spectral_metrics(torch.cat([spectra[t] for t in terms]), bound, alpha)
+        table_6X = torch.stack([*m[:5], m.degenerate.to(torch.float64)])
+        rows.update(zip(terms, table_6X.chunk(len(terms), dim=1), strict=True))
+    return torch.stack([rows[t] for t in spectra])

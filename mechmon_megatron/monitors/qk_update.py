@@ -3,11 +3,12 @@
 Every ``interval`` steps (``step % interval == 0``, from ``warmup_steps`` on) each source's local
 query/key rows ``W(t)`` are read and compared with the snapshot ``W(t - delta)`` of the previous
 monitored step (``delta = interval``; the actual gap is used, with a warning, if it differs).
-Per head the exact spectra come from :mod:`mechmon_megatron.math.spectra`; per layer the spectrum
-of all heads is exact (:mod:`mechmon_megatron.math.layer_spectra`) where one rank holds them all,
-else a randomized sketch (:mod:`mechmon_megatron.math.sketch`) whose operator calls are
-all-reduced over ``source.sketch_group`` (the TP ranks holding the layer's disjoint heads). All
-owned layers are computed in batches (:mod:`.qk_batch`).
+Per head the exact spectra come from the window's Gram blocks
+(:mod:`mechmon_megatron.math.qk_grams`); per layer the spectrum of all heads is exact
+(:mod:`mechmon_megatron.math.layer_spectra`) where one rank holds them all, else a randomized
+sketch (:mod:`mechmon_megatron.math.sketch`) whose operator calls are all-reduced over
+``source.sketch_group`` (the TP ranks holding the layer's disjoint heads). All owned layers are
+computed in batches (:mod:`.qk_batch`).
 
 Signals (L = global 1-based layer, H = global query head; docs/architecture.md):
 
@@ -141,6 +142,8 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         self.snapshots: dict[int, dict[str, Any]] = {}
         self._heads = {s.layer: s.head_index.tolist() for s in self.sources}
         self._groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._unit_weights: dict[int, bool] = {}  # metadata, read once here (not per step)
+        self._mha: dict[int, bool] = {}  # one query head per kv group, in order
         for source in self.sources:
             if self.layer_terms and source.dims is None and comm.world_size(
                     source.sketch_group) > 1:
@@ -149,6 +152,10 @@ class QKUpdateMonitor(QKBatch, QKObserve):
             if self.layer_terms:
                 local = int(source.group_index.max()) + 1 if source.group_index.numel() else 1
                 self._groups[source.layer] = qk_sketch.group_weights(source, local)
+                self._unit_weights[source.layer] = all(
+                    w == 1.0 for w in self._groups[source.layer][1].tolist())
+            self._mha[source.layer] = source.group_index.tolist() == list(
+                range(source.group_index.numel()))
         self._head_groups: dict[str, list[str]] | None = None
         self.errors = 0
         self._observed = 0

@@ -125,29 +125,36 @@ class QKBatch:
 
     def _exact(self, source: QKSource, pair: Any) -> bool:
         """Whether the layer's spectra are computed exactly: an update, every head on this
-        rank (every kv group of weight 1), and every term's ``n <= EXACT_MAX_DIM``."""
-        if (pair is None or not self.layer_terms or comm.world_size(source.sketch_group) > 1
-                or not self._unit_weights[source.layer]):
+        rank (every kv group of weight 1), and every term's ``n <= EXACT_MAX_DIM`` (decided
+        once per layer and row shape)."""
+        if pair is None or not self.layer_terms:
             return False
         (_, wq), (_, wk) = pair
-        heads, groups = source.num_heads, source.global_groups(wk.shape[0])
-        return (source.head_index.numel() == heads and all(
-            exact_dim(t, heads, groups, wq.shape[1], wq.shape[2]) <= EXACT_MAX_DIM
-            for t in self.layer_terms))
+        key = ("exact", source.layer, tuple(wq.shape), tuple(wk.shape))
+        if key not in self._key_cache:
+            heads, groups = source.num_heads, source.global_groups(wk.shape[0])
+            self._key_cache[key] = (
+                comm.world_size(source.sketch_group) == 1 and self._unit_weights[source.layer]
+                and source.head_index.numel() == heads and all(
+                    exact_dim(t, heads, groups, wq.shape[1], wq.shape[2]) <= EXACT_MAX_DIM
+                    for t in self.layer_terms))
+        return self._key_cache[key]
 
     def _decode_exact(self, source: QKSource, values: list[float]) -> dict[str, float]:
         """Layer signals from the host copy of the exact part ``[T, 6]``: all +inf when an
         operator was non-finite; ``fro`` and ``sigma1`` alone for a zero update."""
-        names = [(t, m) for t in self.layer_terms for m in LAYER_METRICS]
-        prefix = f"attn/layer_{self.tag}"
-        if any(math.isnan(values[6 * t + 4]) for t in range(len(self.layer_terms))):
-            return {f"{prefix}{t}/{m}/layer_{source.layer}": math.inf for t, m in names}
-        out: dict[str, float] = {}
-        for (term, metric), v in zip(names, values, strict=True):
-            fro = values[6 * self.layer_terms.index(term) + 4]
-            if fro != 0.0 or metric in ("fro", "sigma1"):
-                out[f"{prefix}{term}/{metric}/layer_{source.layer}"] = v
-        return out
+        key = ("layer", source.layer)
+        if key not in self._key_cache:
+            self._key_cache[key] = [f"attn/layer_{self.tag}{t}/{m}/layer_{source.layer}"
+                                    for t in self.layer_terms for m in LAYER_METRICS]
+        names = self._key_cache[key]
+        fro = values[4::6]
+        if any(math.isnan(f) for f in fro):
+            return dict.fromkeys(names, math.inf)
+        if all(fro):  # every term observed: all six metrics
+            return dict(zip(names, values, strict=True))
+        return {name: v for i, (name, v) in enumerate(zip(names, values, strict=True))
+                if fro[i // 6] != 0.0 or LAYER_METRICS[i % 6] in ("fro", "sigma1")}
 
 
 def _nbytes(item: tuple) -> int:

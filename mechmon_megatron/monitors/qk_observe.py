@@ -61,15 +61,22 @@ def layer_stats(table: Mapping[str, float],
         groups = head_groups(table)
     out: dict[str, float] = {}
     for prefix, names in groups.items():
-        present = [float(table[n]) for n in names if n in table]
-        if not present:
-            continue
-        seen = [v for v in present if not math.isnan(v)]
-        if not seen or not all(math.isfinite(v) for v in seen):
-            stats = (math.inf,) * 3 if seen else (math.nan,) * 3
+        try:
+            present = [table[n] for n in names]
+        except KeyError:
+            present = [table[n] for n in names if n in table]
+            if not present:
+                continue
+        total = sum(present)
+        if math.isfinite(total):  # every head observed and finite
+            stats = (total / len(present), min(present), max(present))
         else:
-            stats = (sum(seen) / len(seen), min(seen), max(seen))
-        out.update({f"{prefix}/{stat}": v for stat, v in zip(STATS, stats, strict=True)})
+            seen = [v for v in present if not math.isnan(v)]
+            if not seen or not all(math.isfinite(v) for v in seen):
+                stats = (math.inf,) * 3 if seen else (math.nan,) * 3
+            else:
+                stats = (sum(seen) / len(seen), min(seen), max(seen))
+        out[prefix + "/mean"], out[prefix + "/min"], out[prefix + "/max"] = stats
     return out
 
 
@@ -193,31 +200,32 @@ class QKObserve:
         terms, form = meta
         heads, layer = self._heads[source.layer], source.layer
         n = len(heads)
+        term_keys, form_keys = self._head_keys(layer, meta)
         per_head: dict[str, float] = {}
         degenerate = True
         for t, term in enumerate(terms):
             block = values[t * 6 * n:(t + 1) * 6 * n]
-            metrics = [block[m * n:(m + 1) * n] for m in range(5)]
             degenerate = degenerate and all(d > 0 for d in block[5 * n:])
-            finite_H = [math.isfinite(f) for f in metrics[0]]
-            zero_H = [f == 0.0 for f in metrics[0]]
+            fro_H = block[:n]
+            total = sum(fro_H)
+            if total > 0.0 and math.isfinite(total) and all(fro_H):  # every head observed
+                per_head.update(zip(term_keys[t], block[:5 * n], strict=True))
+                continue
+            finite_H = [math.isfinite(f) for f in fro_H]
+            zero_H = [f == 0.0 for f in fro_H]
             if not all(finite_H):
                 self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
             if any(zero_H):
                 self._warn_once(f"zero:{layer}:{term}",
                                 f"zero {term} update in layer {layer} (frozen?)")
-            prefix = f"attn/{self.tag}{term}"
-            for metric, column in zip(METRICS, metrics, strict=True):
-                for h, v, finite, zero in zip(heads, column, finite_H, zero_H, strict=True):
-                    if not finite:
-                        per_head[f"{prefix}/{metric}/layer_{layer}/head_{h}"] = math.inf
-                    elif metric == "fro" or not zero:
-                        per_head[f"{prefix}/{metric}/layer_{layer}/head_{h}"] = v
+            for m, (key, v) in enumerate(zip(term_keys[t], block[:5 * n], strict=True)):
+                if not finite_H[m % n]:
+                    per_head[key] = math.inf
+                elif m < n or not zero_H[m % n]:  # fro (the first n) also for a zero update
+                    per_head[key] = v
         base = len(terms) * 6 * n
-        for f, name in enumerate(form):
-            column = values[base + f * n:base + (f + 1) * n]
-            per_head.update({f"{name}/layer_{layer}/head_{h}": v
-                             for h, v in zip(heads, column, strict=True) if not math.isnan(v)})
+        per_head.update((key, v) for key, v in zip(form_keys, values[base:], strict=True)
+                        if not math.isnan(v))
         self._skipped += int(degenerate)
         self._observed += int(not degenerate)
         if self.config.per_head:
@@ -228,6 +236,19 @@ class QKObserve:
         self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
                         "per_head=True; they are not emitted")
         return {k: v for k, v in stats.items() if k.endswith("/mean")}
+
+    def _head_keys(self, layer: int, meta: tuple[list[str], list[str]]
+                   ) -> tuple[list[list[str]], list[str]]:
+        """Signal names of a layer's head table in its layout (per term ``[5, H]``, then the
+        form signals ``[F, H]``), made once per layer and table layout."""
+        key = (layer, tuple(meta[0]), tuple(meta[1]))
+        if key not in self._key_cache:
+            heads = self._heads[layer]
+            terms = [[f"attn/{self.tag}{term}/{metric}/layer_{layer}/head_{h}"
+                      for metric in METRICS for h in heads] for term in meta[0]]
+            form = [f"{name}/layer_{layer}/head_{h}" for name in meta[1] for h in heads]
+            self._key_cache[key] = (terms, form)
+        return self._key_cache[key]
 
     def _layer_sketch(self, source: QKSource, step: int, pair: tuple | None,
                       void: bool | torch.Tensor, dims: tuple[int, int], device: torch.device

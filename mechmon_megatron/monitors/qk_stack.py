@@ -78,10 +78,13 @@ def batches(items: list[Any], key: Any, nbytes: Any) -> list[list[Any]]:
     """``items`` grouped by ``key(item)`` (first-seen order), each group cut into batches of
     at most :data:`BATCH_BYTES` (``nbytes(item)``; one item per batch at least)."""
     groups: dict[Any, list[list[Any]]] = {}
+    sizes: dict[Any, int] = {}  # bytes of each key's last batch
     for item in items:
-        runs = groups.setdefault(key(item), [[]])
-        size = sum(nbytes(i) for i in runs[-1])
-        if runs[-1] and size + nbytes(item) > BATCH_BYTES:
+        k, n = key(item), nbytes(item)
+        runs = groups.setdefault(k, [[]])
+        if runs[-1] and sizes[k] + n > BATCH_BYTES:
             runs.append([])
+            sizes[k] = 0
         runs[-1].append(item)
+        sizes[k] = sizes.get(k, 0) + n
     return [run for runs in groups.values() for run in runs]

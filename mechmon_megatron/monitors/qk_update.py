@@ -157,6 +157,7 @@ class QKUpdateMonitor(QKBatch, QKObserve):
             self._mha[source.layer] = source.group_index.tolist() == list(
                 range(source.group_index.numel()))
         self._head_groups: dict[str, list[str]] | None = None
+        self._key_cache: dict[tuple, Any] = {}  # signal names per layer and table layout
         self.errors = 0
         self._observed = 0
         self._skipped = 0

@@ -4,9 +4,8 @@
 the per-layer path), then computes what the per-layer path computes one layer at a time in
 batches over the layers of one shape (:mod:`.qk_stack`, at most 256 MiB of float64 rows a batch):
 
-- per-head spectra and form signals (:meth:`~.qk_observe.QKObserve._head_tables`): the
-  window's Gram blocks of every head (six D-length products, twelve with the cosine of
-  successive updates), then per term one
+- per-head spectra and form signals (:mod:`.qk_heads`): the window's Gram blocks of every head
+  (six block products, twelve with the cosine of successive updates), then per term one
   batched core (balance, Cholesky, ``eigvalsh``) over all ``sum_l H_l`` heads and one metrics
   call per rank bound;
 - layer spectra: exact (:mod:`mechmon_megatron.math.layer_spectra`, one batched
@@ -48,8 +47,8 @@ Pending = tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]
 
 
 class QKBatch:
-    """Mixin of :class:`~.qk_update.QKUpdateMonitor` (with :class:`~.qk_observe.QKObserve`):
-    the batched monitored step."""
+    """Mixin of :class:`~.qk_update.QKUpdateMonitor` (with :class:`~.qk_observe.QKObserve` and
+    :class:`~.qk_heads.QKHeads`): the batched monitored step."""
 
     def _observe_stage(self, step: int) -> list[Pending]:
         """Read every source and start all computations: per owned layer ``(device tensors,

@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 import torch
 
+from mechmon_megatron.math.qk_grams import qk_grams, qk_spectra
 from mechmon_megatron.math.sketch import subspace_iteration
-from mechmon_megatron.math.spectra import gram, qk_grams, qk_spectra
+from mechmon_megatron.math.spectra import gram
 
 DEFAULT_TERMS = ("delta2", "delta3", "dwq", "dwk")
 

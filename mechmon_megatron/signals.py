@@ -21,6 +21,8 @@ family one of ``attn``, ``router``, ``fp8``,
 
 from __future__ import annotations
 
+import array
+import functools
 import math
 from collections.abc import Iterable, Mapping
 
@@ -41,6 +43,13 @@ def family_of(name: str) -> str:
     return family
 
 
+@functools.lru_cache(maxsize=4)
+def _index(names: tuple[str, ...]) -> dict[str, int]:
+    """``{name: position}`` of a name list (the orchestrator passes the same list every step:
+    built once)."""
+    return {n: i for i, n in enumerate(names)}
+
+
 def reduce_signals(
     local: Mapping[str, float | None], names: Iterable[str], group: comm.Group = None
 ) -> dict[str, float]:
@@ -56,20 +65,27 @@ def reduce_signals(
         ``{name: value}`` in ``names`` order; NaN where no rank owned the name or a rank voided
         it, else +inf where a rank's value was non-finite (a defined value, never an exception).
     """
-    names = list(names)
-    index = {n: i for i, n in enumerate(names)}
-    unknown = [k for k in local if k not in index]
-    if unknown:
-        raise KeyError(f"signals not declared at attach time: {sorted(unknown)[:5]}")
+    names = tuple(names)
+    index = _index(names)
+    try:
+        at_list = [index[k] for k in local]
+    except KeyError:
+        unknown = [k for k in local if k not in index]
+        raise KeyError(f"signals not declared at attach time: {sorted(unknown)[:5]}") from None
+    values = list(local.values())
+    voided = [i for i, v in zip(at_list, values, strict=True) if v is None]
+    if voided:
+        kept = [(i, v) for i, v in zip(at_list, values, strict=True) if v is not None]
+        at_list, values = [i for i, _ in kept], [v for _, v in kept]
     packed = torch.zeros(4, len(names), dtype=torch.float64)
-    voided = [index[k] for k, v in local.items() if v is None]
-    given = [(index[k], float(v)) for k, v in local.items() if v is not None]
-    at = torch.tensor([i for i, _ in given], dtype=torch.long)
-    value_N = torch.tensor([v for _, v in given], dtype=torch.float64)
+    # array() converts the Python numbers in one C loop (torch.tensor of a list is ~5x slower)
+    at_buf, value_buf = array.array("q", at_list), array.array("d", values)
+    at = torch.frombuffer(at_buf, dtype=torch.long) if at_list else torch.zeros(0, dtype=torch.long)
+    value_N = (torch.frombuffer(value_buf, dtype=torch.float64) if values
+               else torch.zeros(0, dtype=torch.float64))
     finite_N = torch.isfinite(value_N)
-    packed[0, at] = torch.where(finite_N, value_N, 0.0)
-    packed[1, at] = 1.0
-    packed[2, at] = (~finite_N).double()
+    packed[:3, at] = torch.stack([torch.where(finite_N, value_N, 0.0), torch.ones_like(value_N),
+                                  (~finite_N).double()])
     packed[3, torch.tensor(voided, dtype=torch.long)] = 1.0
     packed = comm.all_reduce_sum(packed, group)
     total, count, nonfinite, void = packed[0], packed[1], packed[2], packed[3]

@@ -19,6 +19,9 @@ continuing the same model. Columns:
 - ``ms/layer``: monitor time per monitored step per layer (``monitor ms/step * interval /
   layers``: what the monitor costs per layer of the stage, the quantity that must not grow
   with depth);
+- ``CPU ms/layer``, ``CPU share``: the same two from the CPU time of the process's one thread
+  (``time.thread_time``; torch runs one thread): what the monitor computes, without the time
+  the process waits for a core, so runs on a loaded machine compare;
 - ``snapshots MiB``: tensors held by the monitor between monitored steps (its state);
 - ``RSS peak +MiB``: growth of the process's resident high-water mark during the run (CPU; an
   upper bound of the transient memory the monitor adds, 0 when below an earlier peak);
@@ -67,22 +70,27 @@ def _ints(text: str) -> list[int]:
 
 
 class _Timed:
-    """Wraps a MechMon, adding up the seconds spent in its step calls."""
+    """Wraps a MechMon, adding up the seconds (wall and this thread's CPU) spent in its step
+    calls."""
 
     def __init__(self, mon: Any) -> None:
         self.mon = mon
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        tick, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - tick
+            self.cpu_seconds += time.thread_time() - cpu
 
     def begin_step(self, step: int) -> None:
-        tick = time.perf_counter()
-        self.mon.begin_step(step)
-        self.seconds += time.perf_counter() - tick
+        self._call(self.mon.begin_step, step)
 
     def end_step(self, step: int, **kwargs: Any) -> Any:
-        tick = time.perf_counter()
-        verdict = self.mon.end_step(step, **kwargs)
-        self.seconds += time.perf_counter() - tick
-        return verdict
+        return self._call(self.mon.end_step, step, **kwargs)
 
 
 def state_bytes(obj: Any) -> int:
@@ -133,13 +141,15 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     try:
         trainer = _Trainer(cfg)
 
-        def timed_run(first: int) -> float:
-            tick = time.perf_counter()
+        def timed_run(first: int) -> tuple[float, float]:
+            """Mean wall and CPU seconds of a step."""
+            tick, cpu = time.perf_counter(), time.thread_time()
             for step in range(first, first + args.steps):
                 trainer._train_step(step)
-            return (time.perf_counter() - tick) / args.steps
+            return ((time.perf_counter() - tick) / args.steps,
+                    (time.thread_time() - cpu) / args.steps)
 
-        off = timed_run(1)
+        off, _ = timed_run(1)
         rows = []
         for i, interval in enumerate(args.intervals):
             mon_cfg = dataclasses.replace(mon_cfgs[i], output_dir=scratch)
@@ -149,13 +159,14 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
             mon.end_step(first - 1)
             trainer.mon = _Timed(mon)
             rss = _rss_mib()
-            on = timed_run(first)
+            on, on_cpu = timed_run(first)
+            seconds, cpu = trainer.mon.seconds, trainer.mon.cpu_seconds
             rows.append({"interval": interval, "off_ms": 1e3 * off, "on_ms": 1e3 * on,
-                         "monitor_ms": 1e3 * trainer.mon.seconds / args.steps,
-                         "layer_ms": 1e3 * trainer.mon.seconds * interval / args.steps
-                         / args.layers,
-                         "share_pct": 100 * trainer.mon.seconds / (on * args.steps
-                                                                   - trainer.mon.seconds),
+                         "monitor_ms": 1e3 * seconds / args.steps,
+                         "layer_ms": 1e3 * seconds * interval / args.steps / args.layers,
+                         "share_pct": 100 * seconds / (on * args.steps - seconds),
+                         "cpu_layer_ms": 1e3 * cpu * interval / args.steps / args.layers,
+                         "cpu_share_pct": 100 * cpu / (on_cpu * args.steps - cpu),
                          "state_mib": state_bytes(mon.state_dict()) / 2**20,
                          "rss_mib": max(0.0, _rss_mib() - rss),
                          "alarm": mon.alarm.alarm_step if mon.alarm is not None else None})
@@ -176,13 +187,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"mechmon bench: {args.heads} heads, batch {args.batch} x seq {args.seq}, "
           f"{args.steps} steps per run, 1 CPU thread")
     print("| model | interval | step ms off | step ms on | monitor ms/step | ms/layer | share "
-          "| snapshots MiB | RSS peak +MiB | alarm |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| CPU ms/layer | CPU share | snapshots MiB | RSS peak +MiB | alarm |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for layers, hidden in models:
         for r in bench(argparse.Namespace(**{**vars(args), "layers": layers,
                                              "hidden": hidden})):
             print(f"| {layers} x {hidden} | {r['interval']} | {r['off_ms']:.1f} | "
                   f"{r['on_ms']:.1f} | {r['monitor_ms']:.2f} | {r['layer_ms']:.2f} | "
-                  f"{r['share_pct']:.2f} % | {r['state_mib']:.2f} | {r['rss_mib']:.1f} | "
+                  f"{r['share_pct']:.2f} % | {r['cpu_layer_ms']:.2f} | "
+                  f"{r['cpu_share_pct']:.2f} % | {r['state_mib']:.2f} | {r['rss_mib']:.1f} | "
                   f"{r['alarm'] if r['alarm'] is not None else '-'} |", flush=True)
     return 0

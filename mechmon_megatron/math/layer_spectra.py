@@ -1,21 +1,25 @@
 """Exact layer-level spectra of the QK update terms, batched over layers (pure torch).
 
-Shape legend: B layers (batch), H query heads, G kv groups, K head dim d_h, D model width d,
+Shape legend: L layers (batch), H query heads, G kv groups, K head dim d_h, D model width d,
 R = 2HK factor rows, N singular values of a term.
 
 The layer operators the randomized sketch (:mod:`.sketch`, ``monitors/qk_sketch.py``) applies
-implicitly, here formed in float64 for a layer whose heads one rank holds (no TP sharding):
+implicitly, here formed in float64 for a layer whose heads one rank holds (no TP sharding, so
+every kv group counts once), from the window rows of :mod:`.qk_grams` (``q0 = W_Q(t - delta)``,
+``dq``, ``k0``, ``dk``):
 
-    delta2 = sum_h dWq_h^T Wk_g(h) + Wq_h^T dWk_g(h) = A^T C,
-             A = [dWq; Wq] (R x D),  C = [Wk[g]; dWk[g]] (R x D)             (D x D, rank <= R)
-    dwq    = dWq rows of every head stacked                                   (HK x D)
-    dwk    = w_g dWk_g rows of every group stacked (w_g = 1: every head held) (GK x D)
+    delta2 = sum_h dq_h^T k0_g(h) + q0_h^T dk_g(h) = A^T C,
+             A = [dq; q0] (R x D),  C = [k0[g]; dk[g]] (R x D)              (D x D, rank <= R)
+           = sum_g (sum_{h in g} dq_h)^T k0_g + (sum_{h in g} q0_h)^T dk_g    (formed when R >= D)
+    dwq    = dq rows of every head stacked                                    (HK x D)
+    dwk    = dk rows of every group stacked                                   (GK x D)
 
 ``sigma^2 = eigvalsh`` of the smaller Gram (``M M^T`` or ``M^T M``; for delta2 with ``R < D`` the
 core of :func:`.spectra.lowrank_sigma2_from_grams` on the two ``R x R`` Grams), one batched call
 over the layers. ``F = |M|_F^2`` is exact (the Gram's trace, or ``sum(G_A o G_C)``). Cost per
 layer: ``O * D * n`` flops for the Gram and ``n^3`` for the eigen-decomposition,
-``n = min(O, D)``, so :data:`EXACT_MAX_DIM` caps ``n`` (above it the sketch is cheaper).
+``n = min(O, D)``, so :data:`EXACT_MAX_DIM` caps ``n`` (above it the sketch is cheaper); delta2
+formed as ``D x D`` adds ``4 G K D^2`` (the query rows summed per kv group first).
 
 Metrics (alpha = 2, as the sketch's): ``p_i = sigma_i^2 / F``, ``entropy = -sum p log p``
 (the sketch's bounds ``entropy_lo = entropy_hi = entropy``), ``sigma1``, ``fro = sqrt(F)``,
@@ -29,14 +33,17 @@ import math
 
 import torch
 
-from mechmon_megatron.math.spectra import gram, lowrank_sigma2_from_grams
+from mechmon_megatron.math.spectra import (
+    gram,
+    gram_finite,
+    gram_sigma2,
+    lowrank_sigma2_from_grams,
+)
 
-__all__ = ["EXACT_MAX_DIM", "exact_dim", "layer_factors", "layer_sigma2", "layer_metrics"]
+__all__ = ["EXACT_MAX_DIM", "exact_dim", "layer_sigma2", "layer_metrics"]
 
 EXACT_MAX_DIM = 512
 """Largest ``n = min(O, D)`` computed exactly (``n^3`` eigen-decomposition per layer)."""
-
-_EPS64 = torch.finfo(torch.float64).eps
 
 
 def exact_dim(term: str, heads: int, groups: int, d_head: int, d_model: int) -> int:
@@ -45,60 +52,51 @@ def exact_dim(term: str, heads: int, groups: int, d_head: int, d_model: int) -> 
     return min(rows, d_model)
 
 
-def layer_factors(term: str, wq0_LHKD: torch.Tensor, wq1_LHKD: torch.Tensor,
-                  wk0_LGKD: torch.Tensor, wk1_LGKD: torch.Tensor, group_index_LH: torch.Tensor,
-                  weight_LG: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of layers' factors in float64: ``(A_LRD, C_LRD)`` with ``M = A^T C`` for delta2,
-    else ``(M_LOD, M_LOD)`` (the stacked rows).
+def layer_sigma2(term: str, q0_LHKD: torch.Tensor, dq_LHKD: torch.Tensor,
+                 k0_LGKD: torch.Tensor, dk_LGKD: torch.Tensor,
+                 group_index_LH: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigma2_LN descending, F_L)`` of a batch of layer operators (module docstring); NaN
+    for a layer whose operator has a non-finite entry.
 
     Args:
-        wq0_LHKD, wq1_LHKD: query rows at ``t - delta`` and ``t`` (float64).
-        wk0_LGKD, wk1_LGKD: key rows (float64).
-        group_index_LH: key group of each query head.
-        weight_LG: weight of each key group in the layer's dwk.
+        term: delta2, dwq or dwk.
+        q0_LHKD, dq_LHKD: query rows at ``t - delta`` and their update (float64).
+        k0_LGKD, dk_LGKD: key rows and their update (float64).
+        group_index_LH: key group of each query head; None: one head per group, in order (MHA).
     """
-    d_model = wq1_LHKD.shape[-1]
-    n_layers = wq1_LHKD.shape[0]
-    if term == "dwq":
-        m = (wq1_LHKD - wq0_LHKD).reshape(n_layers, -1, d_model)
-        return m, m
-    dwk = wk1_LGKD - wk0_LGKD
-    if term == "dwk":
-        m = (dwk * weight_LG.to(dwk)[:, :, None, None]).reshape(n_layers, -1, d_model)
-        return m, m
-    layer_L1 = torch.arange(n_layers, device=dwk.device)[:, None]
-    g = group_index_LH.to(dwk.device, torch.long)
-    a = torch.cat([wq1_LHKD - wq0_LHKD, wq0_LHKD], dim=1)
-    c = torch.cat([wk0_LGKD[layer_L1, g], dwk[layer_L1, g]], dim=1)
-    return a.reshape(n_layers, -1, d_model), c.reshape(n_layers, -1, d_model)
+    n_layers, heads, d_head, d_model = dq_LHKD.shape
+    if term in ("dwq", "dwk"):
+        return _gram_spectrum((dq_LHKD if term == "dwq" else dk_LGKD).reshape(
+            n_layers, -1, d_model))
+    groups = k0_LGKD.shape[1]
+    rows = 2 * heads * d_head
+    if rows < d_model:
+        g = (torch.arange(heads, device=dq_LHKD.device).expand(n_layers, heads)
+             if group_index_LH is None else group_index_LH.to(dq_LHKD.device, torch.long))
+        layer_L1 = torch.arange(n_layers, device=dq_LHKD.device)[:, None]
+        a = torch.cat([dq_LHKD, q0_LHKD], dim=1).reshape(n_layers, rows, d_model)
+        c = torch.cat([k0_LGKD[layer_L1, g], dk_LGKD[layer_L1, g]], dim=1).reshape(
+            n_layers, rows, d_model)
+        g_a, g_c = gram(a), gram(c)
+        finite_L = gram_finite(g_a) & gram_finite(g_c)
+        fro2_L = torch.where(finite_L, (g_a * g_c).sum((-2, -1)).clamp_min(0.0), math.nan)
+        return lowrank_sigma2_from_grams(g_a, g_c), fro2_L
+    sdq, sq0 = dq_LHKD, q0_LHKD
+    if group_index_LH is not None:  # sum the query rows of each kv group first
+        flat_N = (group_index_LH.to(dq_LHKD.device, torch.long)
+                  + groups * torch.arange(n_layers, device=dq_LHKD.device)[:, None]).flatten()
+        sdq, sq0 = (dq_LHKD.new_zeros(n_layers * groups, d_head, d_model).index_add_(
+            0, flat_N, x.flatten(0, 1)) for x in (dq_LHKD, q0_LHKD))
+    sdq, sq0, k0, dk = (x.reshape(n_layers, -1, d_model) for x in (sdq, sq0, k0_LGKD, dk_LGKD))
+    return _gram_spectrum(torch.baddbmm(sdq.mT @ k0, sq0.mT, dk))
 
 
-def layer_sigma2(term: str, a_BRD: torch.Tensor, c_BRD: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sigma2_BN descending, F_B)`` of a batch of layer operators from
-    :func:`layer_factors`; NaN for a layer with non-finite factors."""
-    rows, d_model = a_BRD.shape[-2:]
-    if term == "delta2" and rows < d_model:
-        g_a, g_c = gram(a_BRD), gram(c_BRD)
-        finite_B = _finite(g_a) & _finite(g_c)
-        sigma2 = lowrank_sigma2_from_grams(g_a, g_c)
-        fro2 = (g_a * g_c).sum((-2, -1))
-    else:
-        m = a_BRD.mT @ c_BRD if term == "delta2" else a_BRD
-        g = m @ m.mT if m.shape[-2] <= m.shape[-1] else m.mT @ m
-        finite_B = _finite(g)  # a non-finite factor entry makes its Gram row non-finite
-        g = torch.where(finite_B[:, None, None], g, 0.0)
-        sigma2 = torch.linalg.eigvalsh(g).flip(-1)
-        floor = sigma2[:, :1].clamp_min(0.0) * (g.shape[-1] * _EPS64)
-        sigma2 = torch.where(sigma2 > floor, sigma2, 0.0)
-        fro2 = g.diagonal(dim1=-2, dim2=-1).sum(-1)
-    nan = torch.full_like(fro2, math.nan)
-    return (torch.where(finite_B[:, None], sigma2, math.nan),
-            torch.where(finite_B, fro2.clamp_min(0.0), nan))
-
-
-def _finite(g_BNN: torch.Tensor) -> torch.Tensor:
-    return torch.isfinite(g_BNN).flatten(1).all(1)
+def _gram_spectrum(m_LOD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sigma2_LN, F_L)`` of ``M`` from its smaller Gram."""
+    g = m_LOD @ m_LOD.mT if m_LOD.shape[-2] <= m_LOD.shape[-1] else m_LOD.mT @ m_LOD
+    sigma2_LN = gram_sigma2(g)
+    fro2_L = g.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0.0)
+    return sigma2_LN, torch.where(sigma2_LN[:, 0].isnan(), math.nan, fro2_L)
 
 
 def layer_metrics(sigma2_BN: torch.Tensor, fro2_B: torch.Tensor) -> torch.Tensor:

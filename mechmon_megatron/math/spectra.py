@@ -1,43 +1,30 @@
 """Exact spectra of low-rank products, batched over attention heads (pure torch).
 
 Shape legend (suffixes of tensor names):
-    H  query heads (batch)            G  key/value groups (GQA; G == H for MHA)
-    K  head dimension d_h             D  model width d
-    R  factor rank (columns of a factor: 2K for delta2/delta1, K otherwise)
-    N  number of singular values of a term
+    H  heads (batch)                  R  factor rank (columns of a factor)
+    D  model width d                  N  number of singular values
 
-Convention: per head the QK bilinear form is ``M = W_Q W_K^T`` with ``W_Q, W_K`` of shape
-``[D, K]``. Megatron stores the head's rows ``[K, D]``, so ``W_Q = rows^T``; every function below
-takes the rows (``wq_HKD``, ``wk_GKD``) as the framework holds them. Query head ``i`` uses the key
-group ``group_index_H[i]``.
-
-Method. A term ``Delta = A B^T`` with ``A, B`` of shape ``[D, R]`` has at most ``R`` nonzero
+Method. A product ``Delta = A B^T`` with ``A, B`` of shape ``[D, R]`` has at most ``R`` nonzero
 singular values and
 
     sigma^2(Delta) = eig(G_A G_B),  G_A = A^T A,  G_B = B^T B  (R x R)
                    = eigvalsh(L^T G_B L),  L L^T = G_A  (Cholesky; symmetric PSD core),
 
 so the ``D x D`` matrix is never formed. The two Gram products (``2 D R^2`` flops each per head,
-float64 accumulation of the fp32 inputs) are the floor any exact method pays (computed from their
-three distinct ``K x K`` blocks, 3/4 of those flops); the core adds one ``R x R`` Cholesky and
-one ``eigvalsh`` per head. Before factoring, each column pair
+float64 accumulation of the fp32 inputs) are the floor any exact method pays; the core adds one
+``R x R`` Cholesky and one ``eigvalsh`` per head. Before factoring, each column pair
 ``(a_j, b_j)`` is balanced, ``a_j <- a_j c_j``, ``b_j <- b_j / c_j`` with
 ``c_j = (|b_j| / |a_j|)^{1/2}`` (``A B^T`` unchanged), so a small update paired with a large weight
-does not lose digits; a pair with a zero column contributes nothing and is dropped. Heads whose
-Gram is singular (zero update, rank-deficient factors) fall back to an eigh-based square root.
+does not lose digits; a pair with a zero column contributes nothing and is dropped. A singular
+Gram (zero update, rank-deficient factors) is factored with a diagonal shift at the noise floor.
 Thin QR of ``A`` and ``B`` gives the same values with better conditioning but measured ~8x slower
 on CPU; the float64 Gram route meets 1e-5 relative accuracy on sigma^2 (tests/unit/test_spectra.py).
+The QK terms built on these kernels (their Grams, per head) are in :mod:`.qk_grams`.
 
-All QK terms come from two Grams per head: ``gram_q`` of the rows ``[dWq; Wq]`` and ``gram_k``
-of ``[Wk; dWk]`` (base point ``W = W(t - delta)``):
-
-    delta2 = dWq Wk^T + Wq dWk^T   = [dWq, Wq] [Wk, dWk]^T                  (rank <= 2K)
-    delta3 = dWq dWk^T                                                     (rank <= K)
-    delta1 = Wq(t) Wk(t)^T - Wq Wk^T = [dWq, Wq] [Wk + dWk, dWk]^T          (rank <= 2K)
-    dwq, dwk: sigma^2 = eigvalsh(dW^T dW)                                  (rank <= K)
-
-``delta1`` uses the factorisation without cancellation (not ``[Wq(t), -Wq][Wk(t), Wk]^T``).
-Degenerate inputs never raise: a non-finite head gives NaN sigma^2; a zero term gives zeros.
+Degenerate inputs never raise: a non-finite head gives NaN sigma^2; a zero product gives zeros.
+A Gram is non-finite exactly when the sum of its entries is (each entry is bounded by the
+diagonal, far below float64 overflow for rows in float32 range), a test over ``[H]`` rather than
+every entry.
 """
 
 from __future__ import annotations
@@ -48,37 +35,20 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "TERMS",
     "METRICS",
-    "QKGrams",
     "SpectralMetrics",
     "gram",
+    "gram_finite",
     "lowrank_sigma2_from_grams",
     "lowrank_sigma2",
-    "qk_grams",
-    "qk_spectra",
-    "term_rank_bound",
+    "gram_sigma2",
     "spectral_metrics",
 ]
 
-TERMS = ("delta2", "delta3", "delta1", "dwq", "dwk")
-"""QK update terms, in signal-name spelling."""
 METRICS = ("fro", "stable_rank", "entropy", "eff_rank", "norm_entropy")
 """Per-term metrics, in signal-name spelling."""
 
 _EPS64 = torch.finfo(torch.float64).eps
-
-
-class QKGrams(NamedTuple):
-    """The two Grams every QK term is derived from (float64).
-
-    Attributes:
-        q_HRR: ``[H, 2K, 2K]`` Gram of the rows ``[dWq; Wq]`` (= ``A^T A`` for ``A = [dWq, Wq]``).
-        k_GRR: ``[G, 2K, 2K]`` Gram of the rows ``[Wk; dWk]`` (= ``B^T B`` for ``B = [Wk, dWk]``).
-    """
-
-    q_HRR: torch.Tensor
-    k_GRR: torch.Tensor
 
 
 class SpectralMetrics(NamedTuple):
@@ -114,6 +84,11 @@ def gram(rows_HRD: torch.Tensor) -> torch.Tensor:
     return x @ x.mT
 
 
+def gram_finite(gram_HRR: torch.Tensor) -> torch.Tensor:
+    """``[H]`` bool: the Gram has no non-finite entry (its sum is finite; module docstring)."""
+    return torch.isfinite(gram_HRR.sum((-2, -1)))
+
+
 def _balance(
     gram_a_HRR: torch.Tensor, gram_b_HRR: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,29 +103,27 @@ def _balance(
     ratio_HR = torch.where(live_HR, nb_HR / torch.where(live_HR, na_HR, 1.0), 1.0)
     ca_HR = torch.where(live_HR, ratio_HR.pow(0.25), 0.0)
     cb_HR = torch.where(live_HR, ratio_HR.pow(-0.25), 0.0)
-    ga = gram_a_HRR * ca_HR.unsqueeze(-1) * ca_HR.unsqueeze(-2)
-    gb = gram_b_HRR * cb_HR.unsqueeze(-1) * cb_HR.unsqueeze(-2)
+    ga = gram_a_HRR.mul(ca_HR.unsqueeze(-1)).mul_(ca_HR.unsqueeze(-2))
+    gb = gram_b_HRR.mul(cb_HR.unsqueeze(-1)).mul_(cb_HR.unsqueeze(-2))
     return ga, gb
 
 
-def _psd_factor(gram_HRR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L_HRR, ok_H)`` with ``L L^T = G + delta I``, ``delta = R eps tr(G)``.
+def _psd_factor(gram_HRR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(L_HRR, factored_H, zero_H)`` with ``L L^T = G + delta I``, ``delta = R eps tr(G)``
+    where ``factored``; ``zero``: ``tr(G) = 0``.
 
-    A Cholesky made total for a singular PSD Gram (a zero column pair) without a host-side
-    branch. The shift moves each ``sigma^2`` of ``A B^T`` by at most
+    The shift makes the Cholesky total for a singular PSD Gram (a zero column pair) without a
+    host-side branch. It moves each ``sigma^2`` of ``A B^T`` by at most
     ``delta |G_B|_2 <= R eps tr(G_A) tr(G_B)``, the noise floor below which
-    :func:`lowrank_sigma2_from_grams` reports 0. A head whose shifted Gram still fails (not PSD
-    beyond rounding) gets ``ok = False`` and a zero factor.
+    :func:`lowrank_sigma2_from_grams` reports 0. ``L`` is meaningless where not ``factored``
+    (not PSD beyond rounding, or ``G = 0``, whose Cholesky fails): the caller masks those heads.
     """
     r = gram_HRR.shape[-1]
     trace_H = gram_HRR.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(0.0)
-    eye_RR = torch.eye(r, dtype=gram_HRR.dtype, device=gram_HRR.device)
-    shifted = gram_HRR + (r * _EPS64 * trace_H)[:, None, None] * eye_RR
+    shifted = gram_HRR.clone()
+    shifted.diagonal(dim1=-2, dim2=-1).add_((r * _EPS64 * trace_H)[:, None])
     chol_HRR, info_H = torch.linalg.cholesky_ex(shifted)
-    zero_H = trace_H == 0  # G = 0: the factor is 0 (Cholesky of the zero matrix fails)
-    chol_HRR = torch.where(zero_H[:, None, None], 0.0, chol_HRR)
-    ok_H = (info_H == 0) | zero_H
-    return torch.where(ok_H[:, None, None], chol_HRR, 0.0), ok_H
+    return chol_HRR, info_H == 0, trace_H == 0
 
 
 def lowrank_sigma2_from_grams(gram_a_HRR: torch.Tensor, gram_b_HRR: torch.Tensor) -> torch.Tensor:
@@ -164,24 +137,25 @@ def lowrank_sigma2_from_grams(gram_a_HRR: torch.Tensor, gram_b_HRR: torch.Tensor
         gram_b_HRR: ``[H, R, R]`` symmetric PSD (column ``j`` of B pairs with column ``j`` of A).
 
     Returns:
-        ``sigma2_HR`` float64, descending; a head with a non-finite Gram is all NaN.
+        ``sigma2_HR`` float64, descending; a head with a non-finite Gram is all NaN (a Gram
+        that is not PSD beyond rounding too).
     """
     ga = gram_a_HRR.to(torch.float64)
     gb = gram_b_HRR.to(torch.float64)
-    finite_H = torch.isfinite(ga).flatten(1).all(1) & torch.isfinite(gb).flatten(1).all(1)
-    ga = torch.where(finite_H[:, None, None], ga, 0.0)
-    gb = torch.where(finite_H[:, None, None], gb, 0.0)
-    ga, gb = _balance(ga, gb)
-    chol_HRR, ok_H = _psd_factor(ga)
-    finite_H = finite_H & ok_H
+    finite_H = gram_finite(ga) & gram_finite(gb)
+    ga, gb = _balance(ga, gb)  # a non-finite head's NaNs stay in that head, masked below
+    chol_HRR, factored_H, zero_H = _psd_factor(ga)
     core_HRR = chol_HRR.mT @ gb @ chol_HRR
-    core_HRR = 0.5 * (core_HRR + core_HRR.mT)
+    core_HRR = (core_HRR + core_HRR.mT).mul_(0.5)
+    # eigvalsh needs finite input: a head without a factor gets the zero core (G_A = 0: the
+    # product is 0; otherwise NaN below).
+    core_HRR.masked_fill_(~(finite_H & factored_H)[:, None, None], 0.0)
     sigma2_HR = torch.linalg.eigvalsh(core_HRR).flip(-1)
     trace_a_H = ga.diagonal(dim1=-2, dim2=-1).sum(-1)
     trace_b_H = gb.diagonal(dim1=-2, dim2=-1).sum(-1)
     floor_H1 = (ga.shape[-1] * _EPS64 * trace_a_H * trace_b_H).unsqueeze(-1)
     sigma2_HR = torch.where(sigma2_HR > floor_H1, sigma2_HR, 0.0)
-    return torch.where(finite_H[:, None], sigma2_HR, math.nan)
+    return torch.where((finite_H & (factored_H | zero_H))[:, None], sigma2_HR, math.nan)
 
 
 def lowrank_sigma2(a_HDR: torch.Tensor, b_HDR: torch.Tensor) -> torch.Tensor:
@@ -193,96 +167,15 @@ def lowrank_sigma2(a_HDR: torch.Tensor, b_HDR: torch.Tensor) -> torch.Tensor:
     return lowrank_sigma2_from_grams(gram(a_HDR.mT), gram(b_HDR.mT))
 
 
-def qk_grams(
-    wq_prev_HKD: torch.Tensor,
-    wq_HKD: torch.Tensor,
-    wk_prev_GKD: torch.Tensor,
-    wk_GKD: torch.Tensor,
-) -> QKGrams:
-    """The two float64 Grams of a layer's local heads at base point ``W = W(t - delta)``.
-
-    ``dW = W(t) - W(t - delta)`` is taken in float64 (exact for fp32/bf16 inputs).
-
-    Args:
-        wq_prev_HKD, wq_HKD: query rows at ``t - delta`` and ``t``, ``[H, K, D]``.
-        wk_prev_GKD, wk_GKD: key rows at ``t - delta`` and ``t``, ``[G, K, D]``.
-
-    Returns:
-        :class:`QKGrams` of ``[dWq; Wq]`` (``[H, 2K, 2K]``) and ``[Wk; dWk]`` (``[G, 2K, 2K]``).
-    """
-    wq0 = wq_prev_HKD.to(torch.float64)
-    wk0 = wk_prev_GKD.to(torch.float64)
-    return QKGrams(_gram2(wq_HKD.to(torch.float64) - wq0, wq0),
-                   _gram2(wk0, wk_GKD.to(torch.float64) - wk0))
-
-
-def _gram2(x_HKD: torch.Tensor, y_HKD: torch.Tensor) -> torch.Tensor:
-    """Gram of the rows ``[x; y]`` from its three distinct blocks (3/4 of the flops of
-    ``gram(cat([x, y]))``, the off-diagonal block computed once)."""
-    xy_HKK = x_HKD @ y_HKD.mT
-    top = torch.cat([x_HKD @ x_HKD.mT, xy_HKK], dim=-1)
-    bottom = torch.cat([xy_HKK.mT, y_HKD @ y_HKD.mT], dim=-1)
-    return torch.cat([top, bottom], dim=-2)
-
-
-def _blocks(g_XRR: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    k = g_XRR.shape[-1] // 2
-    return g_XRR[..., :k, :k], g_XRR[..., :k, k:], g_XRR[..., k:, k:]
-
-
-def qk_spectra(
-    grams: QKGrams, group_index_H: torch.Tensor, terms: tuple[str, ...] | list[str] = TERMS
-) -> dict[str, torch.Tensor]:
-    """Exact nonzero sigma^2 of each requested term, per local query head.
-
-    Args:
-        grams: from :func:`qk_grams`.
-        group_index_H: ``[H]`` long, key group of each query head (indexes ``grams.k_GRR``).
-        terms: subset of :data:`TERMS`.
-
-    Returns:
-        ``{term: sigma2_HN}`` float64 descending, ``N = 2K`` for delta2/delta1, ``K`` otherwise;
-        ``dwk`` is the key group's spectrum repeated for each of its query heads.
-    """
-    unknown = [t for t in terms if t not in TERMS]
-    if unknown:
-        raise ValueError(f"unknown QK terms {unknown}; allowed: {TERMS}")
-    gq = grams.q_HRR
-    gk_HRR = grams.k_GRR.index_select(0, group_index_H.to(torch.long))
-    out: dict[str, torch.Tensor] = {}
-    if "delta2" in terms:
-        out["delta2"] = lowrank_sigma2_from_grams(gq, gk_HRR)
-    if "delta1" in terms:
-        kk, kd, dd = _blocks(gk_HRR)
-        # B1 = [Wk + dWk, dWk] = B T with T = [[I, 0], [I, I]]: G_B1 = T^T G_B T.
-        top = torch.cat([kk + kd + kd.mT + dd, kd + dd], dim=-1)
-        bottom = torch.cat([kd.mT + dd, dd], dim=-1)
-        out["delta1"] = lowrank_sigma2_from_grams(gq, torch.cat([top, bottom], dim=-2))
-    if "delta3" in terms:
-        out["delta3"] = lowrank_sigma2_from_grams(_blocks(gq)[0], _blocks(gk_HRR)[2])
-    if "dwq" in terms:
-        out["dwq"] = _gram_sigma2(_blocks(gq)[0])
-    if "dwk" in terms:
-        out["dwk"] = _gram_sigma2(_blocks(grams.k_GRR)[2]).index_select(0, group_index_H)
-    return out
-
-
-def _gram_sigma2(gram_HRR: torch.Tensor) -> torch.Tensor:
-    """sigma^2 of a matrix from its Gram: ``eigvalsh(G)`` descending, clamped at 0; NaN if not
-    finite."""
-    finite_H = torch.isfinite(gram_HRR).flatten(1).all(1)
+def gram_sigma2(gram_HRR: torch.Tensor) -> torch.Tensor:
+    """sigma^2 of a matrix from its Gram: ``eigvalsh(G)`` descending; values below
+    ``R eps sigma_1^2`` (rounding of the Gram) are 0; NaN for a non-finite Gram."""
+    finite_H = gram_finite(gram_HRR)
     g = torch.where(finite_H[:, None, None], gram_HRR, 0.0)
     sigma2_HR = torch.linalg.eigvalsh(g).flip(-1)
     floor_H1 = sigma2_HR[:, :1].clamp_min(0.0) * (g.shape[-1] * _EPS64)
     sigma2_HR = torch.where(sigma2_HR > floor_H1, sigma2_HR, 0.0)
     return torch.where(finite_H[:, None], sigma2_HR, math.nan)
-
-
-def term_rank_bound(term: str, d_head: int, d_model: int) -> int:
-    """Rank bound of a term: ``min(2K, D)`` for delta2/delta1, ``min(K, D)`` otherwise."""
-    if term not in TERMS:
-        raise ValueError(f"unknown QK term {term!r}; allowed: {TERMS}")
-    return min((2 if term in ("delta2", "delta1") else 1) * d_head, d_model)
 
 
 def spectral_metrics(

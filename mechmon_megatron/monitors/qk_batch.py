@@ -2,21 +2,23 @@
 
 :meth:`QKBatch._observe_stage` reads every layer (each read's collectives in source order, as
 the per-layer path), then computes what the per-layer path computes one layer at a time in
-batches over the layers of one shape:
+batches over the layers of one shape (:mod:`.qk_stack`, at most 256 MiB of float64 rows a batch):
 
-- per-head spectra: each layer's two Grams and form signals (its arithmetic), then one
-  ``qk_spectra`` over the stacked ``[sum_l H_l, 2K, 2K]`` cores (one batched Cholesky and
-  ``eigvalsh`` per term) and one metrics call;
+- per-head spectra and form signals (:mod:`.qk_heads`): the window's Gram blocks of every head
+  (six block products, twelve with the cosine of successive updates), then per term one
+  batched core (balance, Cholesky, ``eigvalsh``) over all ``sum_l H_l`` heads and one metrics
+  call per rank bound;
 - layer spectra: exact (:mod:`mechmon_megatron.math.layer_spectra`, one batched
   ``eigvalsh`` per term) where one rank holds all the layer's heads (``sketch_group`` of one
   rank) and ``n <= EXACT_MAX_DIM``; the randomized sketch (collective over the TP group) only
   where the heads are sharded or the layer is larger.
 
 The per-head values equal the per-layer path's (the same kernels over a larger batch; within
-1e-6 relative where the batched order changes rounding: tests/unit/test_qk_batch.py). The exact
-layer values replace the sketch's estimates: ``entropy_lo = entropy = entropy_hi``.
+1e-6 relative where the batched order changes rounding:
+tests/distributed/test_qk_batch_equivalence.py). The exact layer values replace the sketch's
+estimates: ``entropy_lo = entropy = entropy_hi``.
 
-Values per layer as the per-layer path lays them out (``qk_observe``), with the exact part
+Values per layer as the per-layer path lays them out (:mod:`.qk_observe`), with the exact part
 ``[T, 6]`` (the sketch's metrics per term) in the sketch part's place.
 """
 
@@ -32,7 +34,6 @@ from mechmon_megatron import comm
 from mechmon_megatron.math.layer_spectra import (
     EXACT_MAX_DIM,
     exact_dim,
-    layer_factors,
     layer_metrics,
     layer_sigma2,
 )
@@ -46,8 +47,8 @@ Pending = tuple[list[torch.Tensor], Callable[[list[float] | None], dict]]
 
 
 class QKBatch:
-    """Mixin of :class:`~.qk_update.QKUpdateMonitor` (with :class:`~.qk_observe.QKObserve`):
-    the batched monitored step."""
+    """Mixin of :class:`~.qk_update.QKUpdateMonitor` (with :class:`~.qk_observe.QKObserve` and
+    :class:`~.qk_heads.QKHeads`): the batched monitored step."""
 
     def _observe_stage(self, step: int) -> list[Pending]:
         """Read every source and start all computations: per owned layer ``(device tensors,
@@ -99,17 +100,18 @@ class QKBatch:
                 self._errors(batch, "per-head spectra", exc)
                 continue
             try:
-                tables = self._head_tables(stack, stack.older is not None)
+                tables = self._head_tables(stack)
                 heads.update({s.layer: t for (s, _, _), t in zip(batch, tables, strict=True)})
             except Exception as exc:  # noqa: BLE001
                 self._errors(batch, "per-head spectra", exc)
             if not self._exact(batch[0][0], batch[0][1]):
                 continue
             try:
-                weight_LG = torch.stack([self._groups[s.layer][1] for s, _, _ in batch])
-                table_LT6 = torch.stack([layer_metrics(*layer_sigma2(term, *layer_factors(
-                    term, stack.wq0, stack.wq1, stack.wk0, stack.wk1, stack.group_index,
-                    weight_LG))) for term in self.layer_terms], dim=1)
+                groups = (None if all(self._mha[s.layer] for s, _, _ in batch)
+                          else stack.group_index)
+                table_LT6 = torch.stack([layer_metrics(*layer_sigma2(
+                    term, stack.q0, stack.dq, stack.k0, stack.dk, groups))
+                    for term in self.layer_terms], dim=1)
                 exact.update({s.layer: table_LT6[i].reshape(-1)
                               for i, (s, _, _) in enumerate(batch)})
             except Exception as exc:  # noqa: BLE001
@@ -122,28 +124,36 @@ class QKBatch:
 
     def _exact(self, source: QKSource, pair: Any) -> bool:
         """Whether the layer's spectra are computed exactly: an update, every head on this
-        rank, and every term's ``n <= EXACT_MAX_DIM``."""
-        if pair is None or not self.layer_terms or comm.world_size(source.sketch_group) > 1:
+        rank (every kv group of weight 1), and every term's ``n <= EXACT_MAX_DIM`` (decided
+        once per layer and row shape)."""
+        if pair is None or not self.layer_terms:
             return False
         (_, wq), (_, wk) = pair
-        heads, groups = source.num_heads, source.global_groups(wk.shape[0])
-        return (source.head_index.numel() == heads and all(
-            exact_dim(t, heads, groups, wq.shape[1], wq.shape[2]) <= EXACT_MAX_DIM
-            for t in self.layer_terms))
+        key = ("exact", source.layer, tuple(wq.shape), tuple(wk.shape))
+        if key not in self._key_cache:
+            heads, groups = source.num_heads, source.global_groups(wk.shape[0])
+            self._key_cache[key] = (
+                comm.world_size(source.sketch_group) == 1 and self._unit_weights[source.layer]
+                and source.head_index.numel() == heads and all(
+                    exact_dim(t, heads, groups, wq.shape[1], wq.shape[2]) <= EXACT_MAX_DIM
+                    for t in self.layer_terms))
+        return self._key_cache[key]
 
     def _decode_exact(self, source: QKSource, values: list[float]) -> dict[str, float]:
         """Layer signals from the host copy of the exact part ``[T, 6]``: all +inf when an
         operator was non-finite; ``fro`` and ``sigma1`` alone for a zero update."""
-        names = [(t, m) for t in self.layer_terms for m in LAYER_METRICS]
-        prefix = f"attn/layer_{self.tag}"
-        if any(math.isnan(values[6 * t + 4]) for t in range(len(self.layer_terms))):
-            return {f"{prefix}{t}/{m}/layer_{source.layer}": math.inf for t, m in names}
-        out: dict[str, float] = {}
-        for (term, metric), v in zip(names, values, strict=True):
-            fro = values[6 * self.layer_terms.index(term) + 4]
-            if fro != 0.0 or metric in ("fro", "sigma1"):
-                out[f"{prefix}{term}/{metric}/layer_{source.layer}"] = v
-        return out
+        key = ("layer", source.layer)
+        if key not in self._key_cache:
+            self._key_cache[key] = [f"attn/layer_{self.tag}{t}/{m}/layer_{source.layer}"
+                                    for t in self.layer_terms for m in LAYER_METRICS]
+        names = self._key_cache[key]
+        fro = values[4::6]
+        if any(math.isnan(f) for f in fro):
+            return dict.fromkeys(names, math.inf)
+        if all(fro):  # every term observed: all six metrics
+            return dict(zip(names, values, strict=True))
+        return {name: v for i, (name, v) in enumerate(zip(names, values, strict=True))
+                if fro[i // 6] != 0.0 or LAYER_METRICS[i % 6] in ("fro", "sigma1")}
 
 
 def _nbytes(item: tuple) -> int:

@@ -15,68 +15,19 @@ metrics and degenerate flags and ``[F, H]`` form signals, then (with the sketch)
 from __future__ import annotations
 
 import math
-import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
 from mechmon_megatron.math.sketch import sketch_result
-from mechmon_megatron.math.spectra import (
-    METRICS,
-    qk_grams,
-    qk_spectra,
-    spectral_metrics,
-    term_rank_bound,
-)
+from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS
 from mechmon_megatron.monitors.qk_source import QKSource
-from mechmon_megatron.monitors.qk_stack import LayerStack, stack_layers
 
-__all__ = ["QKObserve", "STATS", "head_groups", "layer_stats"]
-
-STATS = ("mean", "min", "max")
-_HEAD_RE = re.compile(r"^(attn/[^/]+/[^/]+/layer_\d+)/head_\d+$")
-
-
-def head_groups(names: Iterable[str]) -> dict[str, list[str]]:
-    """``{attn/<term>/<metric>/layer_L: [its head_H names in the given order]}``."""
-    groups: dict[str, list[str]] = {}
-    for name in names:
-        match = _HEAD_RE.match(name)
-        if match:
-            groups.setdefault(match.group(1), []).append(name)
-    return groups
-
-
-def layer_stats(table: Mapping[str, float],
-                groups: Mapping[str, list[str]] | None = None) -> dict[str, float]:
-    """Per-layer mean/min/max over heads from the per-head signals of a table.
-
-    ``attn/<term>/<metric>/layer_L/head_H`` -> ``attn/<term>/<metric>/layer_L/{mean,min,max}``
-    over the observed heads: NaN values (not observed) are skipped; any infinite value (observed,
-    not finite) makes all three +inf; NaN when no head was observed. Pure: identical on every rank
-    given the reduced table. ``groups``: :func:`head_groups` of the table's names, in its order
-    (computed once by a monitor; default: from the table).
-    """
-    if groups is None:
-        groups = head_groups(table)
-    out: dict[str, float] = {}
-    for prefix, names in groups.items():
-        present = [float(table[n]) for n in names if n in table]
-        if not present:
-            continue
-        seen = [v for v in present if not math.isnan(v)]
-        if not seen or not all(math.isfinite(v) for v in seen):
-            stats = (math.inf,) * 3 if seen else (math.nan,) * 3
-        else:
-            stats = (sum(seen) / len(seen), min(seen), max(seen))
-        out.update({f"{prefix}/{stat}": v for stat, v in zip(STATS, stats, strict=True)})
-    return out
-
+__all__ = ["QKObserve"]
 
 class QKObserve:
     """Mixin of :class:`~.qk_update.QKUpdateMonitor`: observing and decoding one layer. Uses
@@ -160,85 +111,6 @@ class QKObserve:
         keys = [(t, m) for t in self.terms for m in METRICS] + list(self.extra)
         return {f"attn/{self.tag}{t}/{m}/layer_{source.layer}/mean": None for t, m in keys}
 
-    def _head_table(self, source: QKSource, pair: tuple, older: tuple | None
-                    ) -> tuple[torch.Tensor, tuple[list[str], list[str]]]:
-        """Per-head values on the device: ``[T, 6, H]`` (the five :data:`METRICS` and the
-        degenerate flag per term) then ``[F, H]`` form signals; with ``(terms, form names)``."""
-        stack = stack_layers([pair], [older], [source.group_index])
-        return self._head_tables(stack, older is not None)[0]
-
-    def _head_tables(self, stack: LayerStack, coherence: bool
-                     ) -> list[tuple[torch.Tensor, tuple[list[str], list[str]]]]:
-        """Head tables of a batch of layers of one shape (:mod:`.qk_stack`), each computation
-        one call over all their heads: per layer ``[T, 6, H]`` then ``[F, H]`` (see
-        :meth:`_head_table`); ``coherence``: the stack holds the older pair."""
-        wq0, wq1, wk0, wk1, group_index = stack.flat()
-        form: list[tuple[str, torch.Tensor]] = []
-        if ("coherence", "cos") in self.extra and coherence:
-            older_q, older_k = (w.flatten(0, 1) for w in stack.older)
-            form.append((f"attn/{self.tag}coherence/cos", update_cosine(
-                update_factors(wq0, wq1, wk0, wk1, group_index),
-                update_factors(older_q, wq0, older_k, wk0, group_index))))
-        if ("qk", "sigma1") in self.extra:
-            form.append((f"attn/{self.tag}qk/sigma1", form_sigma1(wq1, wk1, group_index)))
-        spectra = qk_spectra(qk_grams(wq0, wq1, wk0, wk1), group_index, self.terms)
-        d_head, d_model = wq1.shape[1], wq1.shape[2]
-        table_T6H = torch.stack([
-            _metric_rows(sigma2, term_rank_bound(term, d_head, d_model), self.config.alpha)
-            for term, sigma2 in spectra.items()])
-        form_FH = torch.stack([v.to(torch.float64) for _, v in form]) if form else None
-        meta = (list(spectra), [name for name, _ in form])
-        heads = stack.wq1.shape[1]
-        out = []
-        for at in range(0, wq1.shape[0], heads):
-            values = [table_T6H[:, :, at:at + heads].reshape(-1)]
-            if form_FH is not None:
-                values.append(form_FH[:, at:at + heads].reshape(-1))
-            out.append((torch.cat(values), meta))
-        return out
-
-    def _decode_head(self, source: QKSource, meta: tuple[list[str], list[str]],
-                     values: list[float]) -> dict[str, float]:
-        """Per-head signals from the host copy of :meth:`_head_table` (warns, counts)."""
-        terms, form = meta
-        heads, layer = self._heads[source.layer], source.layer
-        n = len(heads)
-        per_head: dict[str, float] = {}
-        degenerate = True
-        for t, term in enumerate(terms):
-            block = values[t * 6 * n:(t + 1) * 6 * n]
-            metrics = [block[m * n:(m + 1) * n] for m in range(5)]
-            degenerate = degenerate and all(d > 0 for d in block[5 * n:])
-            finite_H = [math.isfinite(f) for f in metrics[0]]
-            zero_H = [f == 0.0 for f in metrics[0]]
-            if not all(finite_H):
-                self._warn_once(f"nonfinite:{layer}", f"non-finite weights in layer {layer}")
-            if any(zero_H):
-                self._warn_once(f"zero:{layer}:{term}",
-                                f"zero {term} update in layer {layer} (frozen?)")
-            prefix = f"attn/{self.tag}{term}"
-            for metric, column in zip(METRICS, metrics, strict=True):
-                for h, v, finite, zero in zip(heads, column, finite_H, zero_H, strict=True):
-                    if not finite:
-                        per_head[f"{prefix}/{metric}/layer_{layer}/head_{h}"] = math.inf
-                    elif metric == "fro" or not zero:
-                        per_head[f"{prefix}/{metric}/layer_{layer}/head_{h}"] = v
-        base = len(terms) * 6 * n
-        for f, name in enumerate(form):
-            column = values[base + f * n:base + (f + 1) * n]
-            per_head.update({f"{name}/layer_{layer}/head_{h}": v
-                             for h, v in zip(heads, column, strict=True) if not math.isnan(v)})
-        self._skipped += int(degenerate)
-        self._observed += int(not degenerate)
-        if self.config.per_head:
-            return per_head
-        stats = layer_stats(per_head)
-        if n == source.num_heads:
-            return stats
-        self._warn_once("minmax", "per-layer min/max of a layer split over ranks need "
-                        "per_head=True; they are not emitted")
-        return {k: v for k, v in stats.items() if k.endswith("/mean")}
-
     def _layer_sketch(self, source: QKSource, step: int, pair: tuple | None,
                       void: bool | torch.Tensor, dims: tuple[int, int], device: torch.device
                       ) -> tuple[torch.Tensor, list]:
@@ -292,9 +164,3 @@ class QKObserve:
                 if result.fro2 != 0.0 or metric in ("fro", "sigma1"):
                     out[f"attn/layer_{self.tag}{term}/{metric}/layer_{layer}"] = v
         return out
-
-
-def _metric_rows(sigma2_HN: torch.Tensor, rank_bound: int, alpha: float) -> torch.Tensor:
-    """``[6, H]`` float64 on the device: the five :data:`METRICS` and the degenerate flag."""
-    m = spectral_metrics(sigma2_HN, rank_bound, alpha)
-    return torch.stack([*m[:5], m.degenerate.to(torch.float64)])

@@ -3,8 +3,9 @@
 Shape legend: L layers, H local query heads, G local kv groups, K d_head, D d_model.
 
 The rows of the layers a batch holds, in float64 (exact for fp32 and bf16 rows, and the rows
-composed in float64 for MLA), stacked once so that the Grams, the form signals and the exact
-layer spectra of every layer come from one call each instead of one per layer. A batch holds at
+composed in float64 for MLA), stacked once as the window of :mod:`mechmon_megatron.math.qk_grams`
+(rows at ``t - delta`` and exact updates) so that the Grams, the form signals and the exact layer
+spectra of every layer come from one call each instead of one per layer. A batch holds at
 most :data:`BATCH_BYTES` of stacked rows: the transient memory of a batch is bounded, not the
 whole stage's weights.
 """
@@ -22,24 +23,28 @@ BATCH_BYTES = 2**28
 
 
 class LayerStack(NamedTuple):
-    """Stacked float64 rows of ``L`` layers: ``wq0``, ``wq1`` ``[L, H, K, D]`` at ``t - delta``
-    and ``t``; ``wk0``, ``wk1`` ``[L, G, K, D]``; ``older`` ``(wq, wk)`` at ``t - 2 delta`` or
-    None; ``group_index`` ``[L, H]``."""
+    """The float64 window of ``L`` layers (:mod:`mechmon_megatron.math.qk_grams`): ``q0``
+    ``[L, H, K, D]`` at ``t - delta`` and its update ``dq``, ``k0``, ``dk`` ``[L, G, K, D]``;
+    ``previous`` the previous window's updates ``(dq, dk)`` (``W(t - delta) - W(t - 2 delta)``)
+    or None; ``group_index`` ``[L, H]``."""
 
-    wq0: torch.Tensor
-    wq1: torch.Tensor
-    wk0: torch.Tensor
-    wk1: torch.Tensor
-    older: tuple[torch.Tensor, torch.Tensor] | None
+    q0: torch.Tensor
+    dq: torch.Tensor
+    k0: torch.Tensor
+    dk: torch.Tensor
+    previous: tuple[torch.Tensor, torch.Tensor] | None
     group_index: torch.Tensor
 
     def flat(self) -> tuple[torch.Tensor, ...]:
-        """``(wq0, wq1, wk0, wk1)`` as ``[L H, K, D]`` / ``[L G, K, D]`` and the group index
-        ``[L H]`` of each query head among the ``L G`` stacked groups."""
-        n_layers, groups = self.wk1.shape[:2]
+        """``(q0, dq, k0, dk)`` as ``[L H, K, D]`` / ``[L G, K, D]``, the previous window's
+        ``(dq, dk)`` so flattened (or ``(None, None)``), and the group index ``[L H]`` of each
+        query head among the ``L G`` stacked groups."""
+        n_layers, groups = self.k0.shape[:2]
         offset_L1 = torch.arange(n_layers, device=self.group_index.device)[:, None] * groups
-        return (self.wq0.flatten(0, 1), self.wq1.flatten(0, 1), self.wk0.flatten(0, 1),
-                self.wk1.flatten(0, 1), (self.group_index + offset_L1).flatten())
+        previous = ((None, None) if self.previous is None
+                    else tuple(w.flatten(0, 1) for w in self.previous))
+        return (self.q0.flatten(0, 1), self.dq.flatten(0, 1), self.k0.flatten(0, 1),
+                self.dk.flatten(0, 1), *previous, (self.group_index + offset_L1).flatten())
 
 
 def stack_key(pair: tuple, older: tuple | None, extra: Any = None) -> tuple:
@@ -50,18 +55,22 @@ def stack_key(pair: tuple, older: tuple | None, extra: Any = None) -> tuple:
 
 def stack_layers(pairs: list[tuple], olders: list[tuple | None],
                  group_indices: list[torch.Tensor]) -> LayerStack:
-    """Stack layers of one :func:`stack_key` in float64."""
+    """Stack layers of one :func:`stack_key` in float64: each row read once into the stack,
+    each update one exact float64 difference (rows in float32, bfloat16 or float64)."""
 
     def rows(tensors: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(tensors).to(torch.float64)
+        out = torch.empty((len(tensors), *tensors[0].shape), dtype=torch.float64,
+                          device=tensors[0].device)
+        return torch.stack(tensors, out=out)
 
-    wq0, wq1 = rows([p[0][0] for p in pairs]), rows([p[0][1] for p in pairs])
-    wk0, wk1 = rows([p[1][0] for p in pairs]), rows([p[1][1] for p in pairs])
-    older = None
+    q0, k0 = rows([p[0][0] for p in pairs]), rows([p[1][0] for p in pairs])
+    dq, dk = rows([p[0][1] for p in pairs]).sub_(q0), rows([p[1][1] for p in pairs]).sub_(k0)
+    previous = None
     if olders and all(o is not None for o in olders):
-        older = rows([o[0] for o in olders]), rows([o[1] for o in olders])
-    device = wq1.device
-    return LayerStack(wq0, wq1, wk0, wk1, older,
+        previous = (torch.sub(q0, rows([o[0] for o in olders])),
+                    torch.sub(k0, rows([o[1] for o in olders])))
+    device = q0.device
+    return LayerStack(q0, dq, k0, dk, previous,
                       torch.stack([g.to(device, torch.long) for g in group_indices]))
 
 
@@ -69,10 +78,13 @@ def batches(items: list[Any], key: Any, nbytes: Any) -> list[list[Any]]:
     """``items`` grouped by ``key(item)`` (first-seen order), each group cut into batches of
     at most :data:`BATCH_BYTES` (``nbytes(item)``; one item per batch at least)."""
     groups: dict[Any, list[list[Any]]] = {}
+    sizes: dict[Any, int] = {}  # bytes of each key's last batch
     for item in items:
-        runs = groups.setdefault(key(item), [[]])
-        size = sum(nbytes(i) for i in runs[-1])
-        if runs[-1] and size + nbytes(item) > BATCH_BYTES:
+        k, n = key(item), nbytes(item)
+        runs = groups.setdefault(k, [[]])
+        if runs[-1] and sizes[k] + n > BATCH_BYTES:
             runs.append([])
+            sizes[k] = 0
         runs[-1].append(item)
+        sizes[k] = sizes.get(k, 0) + n
     return [run for runs in groups.values() for run in runs]

@@ -3,11 +3,15 @@
 Every ``interval`` steps (``step % interval == 0``, from ``warmup_steps`` on) each source's local
 query/key rows ``W(t)`` are read and compared with the snapshot ``W(t - delta)`` of the previous
 monitored step (``delta = interval``; the actual gap is used, with a warning, if it differs).
-Per head the exact spectra come from :mod:`mechmon_megatron.math.spectra`; per layer the spectrum
-of all heads is exact (:mod:`mechmon_megatron.math.layer_spectra`) where one rank holds them all,
-else a randomized sketch (:mod:`mechmon_megatron.math.sketch`) whose operator calls are
-all-reduced over ``source.sketch_group`` (the TP ranks holding the layer's disjoint heads). All
-owned layers are computed in batches (:mod:`.qk_batch`).
+Per head the exact spectra come from the window's Gram blocks
+(:mod:`mechmon_megatron.math.qk_grams`); per layer the spectrum of all heads is exact
+(:mod:`mechmon_megatron.math.layer_spectra`) where one rank holds them all, else a randomized
+sketch (:mod:`mechmon_megatron.math.sketch`) whose operator calls are all-reduced over
+``source.sketch_group`` (the TP ranks holding the layer's disjoint heads). All owned layers are
+computed in batches (:mod:`.qk_batch`). The monitor's parts: the update window and snapshots
+(:mod:`.qk_window`), the per-head table (:mod:`.qk_heads`), one layer's observation and the
+sketch (:mod:`.qk_observe`), the batched step (:mod:`.qk_batch`), checkpoints
+(:mod:`.qk_checkpoint`).
 
 Signals (L = global 1-based layer, H = global query head; docs/architecture.md):
 
@@ -50,16 +54,13 @@ from mechmon_megatron import comm
 from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_batch import QKBatch
+from mechmon_megatron.monitors.qk_checkpoint import QKCheckpoint
 from mechmon_megatron.monitors.qk_clip import clip_names
-from mechmon_megatron.monitors.qk_observe import STATS, QKObserve, head_groups, layer_stats
+from mechmon_megatron.monitors.qk_heads import STATS, QKHeads, head_groups, layer_stats
+from mechmon_megatron.monitors.qk_observe import QKObserve
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
 from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
-from mechmon_megatron.monitors.qk_state import (
-    RowShard,
-    restore_snapshots,
-    snapshot_shards,
-    snapshot_template,
-)
+from mechmon_megatron.monitors.qk_window import QKWindow
 
 __all__ = ["QKSource", "QKUpdateMonitor", "layer_stats", "LAYER_TERMS", "LAYER_METRICS"]
 
@@ -83,7 +84,7 @@ def _listed(values: list[int], most: int = 12) -> str:
     return text + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
-class QKUpdateMonitor(QKBatch, QKObserve):
+class QKUpdateMonitor(QKCheckpoint, QKWindow, QKBatch, QKObserve, QKHeads):
     """Monitor of ``W_Q W_K^T`` updates (see the module docstring for its signals).
 
     Args:
@@ -141,6 +142,8 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         self.snapshots: dict[int, dict[str, Any]] = {}
         self._heads = {s.layer: s.head_index.tolist() for s in self.sources}
         self._groups: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._unit_weights: dict[int, bool] = {}  # metadata, read once here (not per step)
+        self._mha: dict[int, bool] = {}  # one query head per kv group, in order
         for source in self.sources:
             if self.layer_terms and source.dims is None and comm.world_size(
                     source.sketch_group) > 1:
@@ -149,7 +152,12 @@ class QKUpdateMonitor(QKBatch, QKObserve):
             if self.layer_terms:
                 local = int(source.group_index.max()) + 1 if source.group_index.numel() else 1
                 self._groups[source.layer] = qk_sketch.group_weights(source, local)
+                self._unit_weights[source.layer] = all(
+                    w == 1.0 for w in self._groups[source.layer][1].tolist())
+            self._mha[source.layer] = source.group_index.tolist() == list(
+                range(source.group_index.numel()))
         self._head_groups: dict[str, list[str]] | None = None
+        self._key_cache: dict[tuple, Any] = {}  # signal names per layer and table layout
         self.errors = 0
         self._observed = 0
         self._skipped = 0
@@ -246,127 +254,7 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         return {"found": owned, "observed": self._observed,
                 "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's snapshots (CPU tensors, owned layers only) with their steps and global
-        head indices, and the error counter."""
-        snaps = {layer: {k: (v.cpu() if isinstance(v, torch.Tensor) else v)
-                         for k, v in s.items()} for layer, s in self.snapshots.items()}
-        return {"version": 2, "snapshots": snaps, "errors": self.errors}
-
-    def full_state_dict(self, rebuild_at: int | None = None) -> dict[str, Any]:
-        """:meth:`state_dict` with the snapshots of every DP replica of this rank's heads (one
-        object all-gather over ``dp_group``; collective): for frameworks that save one copy per
-        model-parallel rank (DeepSpeed's client_state). A rank whose own part fails to copy
-        (caught, counted) gathers nothing of its own: those layers are not saved.
-
-        ``rebuild_at``: the checkpoint's step, where the framework saves the weights the read
-        returns: a snapshot of that step keeps its step, heads and older pair, is marked
-        ``rebuild`` and is read again after the load (:meth:`rebuild_snapshots`)."""
-        try:
-            snaps = self.state_dict()["snapshots"]
-            for snap in snaps.values():
-                if rebuild_at is not None and int(snap["step"]) == int(rebuild_at):
-                    snap.update(wq=None, wk=None, rebuild=True)
-        except Exception as exc:  # noqa: BLE001 - the gather still runs on every rank
-            self.errors += 1
-            self._warn_once("error:save", f"saving the snapshots failed ({exc!r}); this rank's "
-                            "layers are re-snapshotted after a resume")
-            snaps = {}
-        sd = {"version": 2, "snapshots": {}, "errors": self.errors}
-        for part in comm.all_gather_object(snaps, self.dp_group):
-            sd["snapshots"].update(part)
-        return sd
-
-    def sharded_state(self, rebuild_at: int | None = None
-                      ) -> tuple[dict[int, dict], dict[str, RowShard]]:
-        """``(metadata, row shards)`` of the snapshots this rank owns, for a framework's sharded
-        checkpoint (:mod:`.qk_state`); collective over the world (the metadata is gathered).
-
-        ``rebuild_at``: the checkpoint's step, when the framework saves the very weights the
-        read returns (fp32 parameters): a snapshot taken at that step is not stored but read
-        again from the loaded model (:meth:`rebuild_snapshots`).
-        """
-        return snapshot_shards(self.snapshots, [s for s in self.sources if self.owns(s.layer)],
-                               rebuild_at=rebuild_at,
-                               on_error=lambda s, exc: self._error(s, "saving the snapshot", exc))
-
-    def rebuild_snapshots(self, meta: Mapping[int, Mapping[str, Any]]) -> None:
-        """Read again the snapshots saved as ``rebuild`` (after the model is loaded, on every
-        rank: the reads' exchange phases are collective; a failed read drops the snapshot)."""
-        layers = {int(layer) for layer, info in meta.items() if info.get("rebuild")}
-        for source in (s for s in self.sources if s.layer in layers):
-            if not self.owns(source.layer):
-                if source.dp_exchange:
-                    source.rows(lambda where, exc, s=source: self._error(s, where, exc))
-                continue
-            rows = source.rows(lambda where, exc, s=source: self._error(s, where, exc))
-            snap = self.snapshots.get(source.layer)
-            try:  # local: a failure must not skip the later layers' exchanges
-                if rows is None or snap is None:
-                    raise LookupError("no rows or no restored snapshot")
-                _, _, snap["wq"], snap["wk"] = self._snapshot_of(*rows)
-            except Exception as exc:  # noqa: BLE001 - re-snapshotted, warned
-                self.snapshots.pop(source.layer, None)
-                self._warn_once(f"rebuild:{source.layer}", f"layer {source.layer}: its snapshot "
-                                f"could not be read again after the load ({exc!r}); it is "
-                                "re-snapshotted at the next monitored step (one window without "
-                                "QK signals)")
-
-    def sharded_template(self, meta: Mapping[int, Mapping[str, Any]]) -> dict[str, RowShard]:
-        """Empty row shards of the saved snapshots this rank owns under its current layout."""
-        return snapshot_template(meta, self.sources, self.owns,
-                                 lambda s: int(s.group_index.max()) + 1)
-
-    def load_sharded(self, meta: Mapping[int, Mapping[str, Any]],
-                     loaded: Mapping[str, torch.Tensor]) -> None:
-        """Snapshots from the filled :meth:`sharded_template` (after :meth:`load_state_dict`)."""
-        owned = [s for s in self.sources if self.owns(s.layer)]
-        self.snapshots = restore_snapshots(meta, loaded, owned)
-        self._forget_clipped(lambda layer: bool(meta.get(layer, {}).get("rebuild")))
-        missing = sorted(s.layer for s in owned
-                         if s.layer in meta and s.layer not in self.snapshots
-                         and not meta[s.layer].get("rebuild"))
-        if missing:
-            self._warn_once("unrestored", f"layers {missing}: saved snapshots could not be mapped "
-                            "onto this rank's rows; they are re-snapshotted at the next monitored "
-                            "step (one window without QK signals)")
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore the snapshots of the layers this rank owns whose saved heads are the heads it
-        holds now; the others are dropped (re-snapshotted at the next monitored step, warned:
-        a resume under another TP layout never diffs different heads)."""
-        self.errors = int(sd.get("errors", 0))
-        heads = {s.layer: s.head_index.tolist() for s in self.sources if self.owns(s.layer)}
-        self.snapshots, dropped = {}, []
-        for layer, snap in sd.get("snapshots", {}).items():
-            layer = int(layer)
-            if layer not in heads:
-                continue
-            if snap.get("heads") is not None and list(snap["heads"]) != heads[layer]:
-                dropped.append(layer)
-                continue
-            self.snapshots[layer] = dict(snap)
-        self._forget_clipped(lambda layer: bool(self.snapshots[layer].get("rebuild")))
-        if dropped:
-            self._warn_once("resnap", f"layers {dropped}: saved snapshots hold other heads than "
-                            "this rank now (another TP layout); they are re-snapshotted at the "
-                            "next monitored step (one window without QK signals)")
-
     # -- internals -------------------------------------------------------------------------
-
-    def _forget_clipped(self, rebuilt: Callable[[int], bool]) -> None:
-        """Drop the restored snapshots of QK-clipped layers older than the checkpoint: the
-        scales clipped between such a snapshot and the save are not in the state, and a window
-        that kept the rescale would read as a coherent update. A snapshot of the checkpoint's
-        own step (``rebuilt``) has none pending."""
-        stale = sorted({s.layer for s in self.sources if s.clip is not None}
-                       & {layer for layer in self.snapshots if not rebuilt(layer)})
-        for layer in stale:
-            del self.snapshots[layer]
-        if stale:
-            self._warn_once("clip:resume", f"layers {stale}: QK-clip may have rescaled them "
-                            "after their snapshot, before the checkpoint; re-snapshotted at the "
-                            "next monitored step (one window without QK signals)")
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -377,66 +265,3 @@ class QKUpdateMonitor(QKBatch, QKObserve):
         self.errors += 1
         self._warn_once(f"error:{where}:{type(exc).__name__}",
                         f"{where} failed on layer {source.layer} ({source.name}): {exc!r}")
-
-    def _snapshot_of(self, wq: torch.Tensor, wk: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``(wq, wk)`` as float32 (rounded to bf16 first with ``snapshot_dtype: bf16``) and
-        their stored copies (snapshot dtype, offloaded to CPU with ``offload_snapshots``)."""
-        bf16 = self.config.snapshot_dtype == "bf16"
-        # Rows composed from factors (MLA) come in float64 and stay so: see layouts/megatron_mla.
-        exact = torch.float64 if wq.dtype == torch.float64 else torch.float32
-        snap_dtype = torch.bfloat16 if bf16 else exact
-        wq = wq.detach().to(snap_dtype).to(exact) if bf16 else wq.detach().to(exact)
-        wk = wk.detach().to(snap_dtype).to(exact) if bf16 else wk.detach().to(exact)
-        device = torch.device("cpu") if self.config.offload_snapshots else wq.device
-        return (wq, wk, wq.to(device, snap_dtype, copy=True),
-                wk.to(device, snap_dtype, copy=True))
-
-    def _read(self, source: QKSource, step: int, rows: tuple[torch.Tensor, torch.Tensor]
-              ) -> tuple[tuple[tuple, tuple] | None, tuple | None]:
-        """``(((wq_prev, wq), (wk_prev, wk)), older)`` float32 on the weights' device from the
-        rows just read (``older``: ``W(t - 2 delta)`` for the cosine of successive updates, or
-        None), or ``(None, None)`` on the first observation; stores the new snapshot."""
-        wq, wk = rows
-        n_loc = source.head_index.numel()
-        if wq.dim() != 3 or wk.dim() != 3 or wq.shape[0] != n_loc or wq.shape[1:] != wk.shape[1:]:
-            raise ValueError(f"read() gave wq {tuple(wq.shape)}, wk {tuple(wk.shape)}; expected "
-                             f"[{n_loc}, d_head, d_model] and [groups, d_head, d_model]")
-        wq, wk, snap_q, snap_k = self._snapshot_of(wq, wk)
-        prev = self.snapshots.get(source.layer)
-        clip = source.clip.take() if source.clip is not None else None
-        snap = {"step": step, "heads": self._heads[source.layer], "wq": snap_q, "wk": snap_k}
-        older = None
-        if (prev is None or prev.get("wq") is None  # a rebuild that never ran: no snapshot
-                or prev["wq"].shape != wq.shape or prev["wk"].shape != wk.shape):
-            self.snapshots[source.layer] = snap
-            return None, None
-        prev_q, prev_k = prev["wq"].to(wq.device, wq.dtype), prev["wk"].to(wk.device, wk.dtype)
-        if clip is not None:  # QK-clip rescaled the rows in the window: divide it out
-            prev_q = prev_q * clip[0].to(wq.device, wq.dtype).view(-1, 1, 1)
-            prev_k = prev_k * clip[1].to(wk.device, wk.dtype).view(-1, 1, 1)
-            if source.layer in self.clipped:
-                self._clip_counts[source.layer] = clip[2]
-        if ("coherence", "cos") in self.extra:
-            # W(t - delta) stays for the next step's cosine of successive updates.
-            snap.update(wq_prev=prev["wq"] if clip is None else prev_q.to(prev["wq"]),
-                        wk_prev=prev["wk"] if clip is None else prev_k.to(prev["wk"]))
-            if prev.get("wq_prev") is not None:
-                older = (prev["wq_prev"].to(wq.device, wq.dtype),
-                         prev["wk_prev"].to(wk.device, wk.dtype))
-        self.snapshots[source.layer] = snap
-        if step - prev["step"] != self.interval:
-            self._warn_once("gap", f"update window {step - prev['step']} steps at step {step} "
-                            f"(interval {self.interval}); using the actual window")
-        return ((prev_q, wq), (prev_k, wk)), older
-
-    def _clip_pending(self, source: QKSource) -> tuple[list[torch.Tensor], Callable]:
-        """The layer's QK-clip counts of the window (:mod:`.qk_clip`): into the one transfer,
-        or zeros without one when nothing was clipped. Every TP rank of the owning replica sends
-        its part times the TP size, so the reduction's mean over them is their sum."""
-        names = clip_names(source.layer)
-        counts = self._clip_counts.pop(source.layer, None)
-        if counts is None:
-            return [], lambda values: dict.fromkeys(names, 0.0)
-        share = comm.world_size(source.sketch_group)
-        return [counts * share], lambda values: ({} if values is None
-                                                 else dict(zip(names, values, strict=True)))

@@ -11,7 +11,10 @@ are compared as emitted on each rank, before any reduction:
 - layer signals where one rank holds every head (TP 1): the batched path's are exact
   (tests/unit/test_layer_spectra.py holds them to an SVD); the sketch's entropy is within 0.05
   nats of them, its sigma1 and fro within 1 %;
-- each path copies its values to the host in one ``tolist`` per monitored step.
+- each path copies its values to the host in one ``tolist`` per monitored step;
+- the batched values equal a float64 reference formed from the rows each rank read (the ``d x d``
+  operators of every local head, their SVD, the cosine of the formed updates, sigma_1 of the
+  formed form; at TP 1 the formed layer operators too): within 1e-6 relative.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _worker(rank: int, world_size: int) -> dict:
             batched = build_monitors(cfg, [model])[0]
             per_layer = QKUpdateMonitor(cfg.qk, batched.sources, all_layers=batched.layers,
                                         seed=cfg.seed, batched=False)
-            tables, transfers = [], []
+            tables, transfers, rows, errors = [], [], [], {}
             for step, seed in ((1, None), (2, 99), (3, 98)):
                 if seed is not None:
                     other = build_gpt(ModelSpec(**spec, seed=seed), parallel)
@@ -67,10 +70,82 @@ def _worker(rank: int, world_size: int) -> dict:
                     transfers.append(calls[1])
                     row.append(calls[0])
                 tables.append(row)
-            out[kind] = {"tables": tables, "transfers": transfers}
+                # The rows both monitors just read (unchanged since): the reference's input.
+                rows.append([tuple(w.double() for w in source.rows(_raise))
+                             for source in batched.sources])
+                if step > 1:
+                    _compare(_reference(batched.sources, rows, parallel.tp == 1), row[0],
+                             errors)
+            out[kind] = {"tables": tables, "transfers": transfers, "errors": errors}
     finally:
         destroy_parallel()
     return out
+
+
+def _raise(where, exc):
+    raise exc
+
+
+def _metrics(sigma2, bound: int) -> dict[str, float]:
+    """fro, stable_rank, entropy (alpha = 2), eff_rank, norm_entropy of a formed spectrum."""
+    import math
+
+    total, top = float(sigma2.sum()), float(sigma2.max())
+    p = sigma2[sigma2 > 0] / total
+    entropy = float(-(p * p.log()).sum())
+    return {"fro": math.sqrt(total), "stable_rank": total / top, "entropy": entropy,
+            "eff_rank": math.exp(entropy), "norm_entropy": entropy / math.log(bound)}
+
+
+def _reference(sources, rows: list, whole_layers: bool) -> dict[str, float]:
+    """Float64 signals of the last window from the formed operators of each local head (and,
+    where one rank holds every head, of each layer)."""
+    import torch
+
+    out: dict[str, float] = {}
+    for i, source in enumerate(sources):
+        (q0, k0), (q1, k1) = rows[-2][i], rows[-1][i]
+        older = rows[-3][i] if len(rows) > 2 else None
+        d_head, d_model = q1.shape[1:]
+        layer, group = source.layer, source.group_index.tolist()
+        for h, head in enumerate(source.head_index.tolist()):
+            dq, dk, g = q1[h] - q0[h], k1[group[h]] - k0[group[h]], group[h]
+            formed = {"delta2": dq.T @ k0[g] + q0[h].T @ dk, "delta3": dq.T @ dk, "dwq": dq,
+                      "dwk": dk}
+            for term, m in formed.items():
+                bound = min((2 if term == "delta2" else 1) * d_head, d_model)
+                for metric, v in _metrics(torch.linalg.svdvals(m) ** 2, bound).items():
+                    out[f"attn/{term}/{metric}/layer_{layer}/head_{head}"] = v
+            out[f"attn/qk/sigma1/layer_{layer}/head_{head}"] = float(
+                torch.linalg.matrix_norm(q1[h].T @ k1[g], ord=2))
+            if older is not None:
+                d1 = q1[h].T @ k1[g] - q0[h].T @ k0[g]
+                d0 = q0[h].T @ k0[g] - older[0][h].T @ older[1][g]
+                out[f"attn/coherence/cos/layer_{layer}/head_{head}"] = float(
+                    (d1 * d0).sum() / (d1.norm() * d0.norm()))
+        if whole_layers:
+            dq, dk = q1 - q0, k1 - k0
+            formed = {"delta2": sum(dq[h].T @ k0[g] + q0[h].T @ dk[g]
+                                    for h, g in enumerate(group)),
+                      "dwq": dq.flatten(0, 1), "dwk": dk.flatten(0, 1)}
+            for term, m in formed.items():
+                s2 = torch.linalg.svdvals(m) ** 2
+                ref = _metrics(s2, 2)
+                values = {"entropy": ref["entropy"], "entropy_lo": ref["entropy"],
+                          "entropy_hi": ref["entropy"], "sigma1": float(s2[0].sqrt()),
+                          "fro": ref["fro"], "stable_rank": ref["stable_rank"]}
+                out.update({f"attn/layer_{term}/{metric}/layer_{layer}": v
+                            for metric, v in values.items()})
+    return out
+
+
+def _compare(reference: dict[str, float], got: dict[str, float], errors: dict) -> None:
+    """Largest relative error per signal family (``attn/<term>``) into ``errors``; every
+    reference value must be emitted."""
+    for key, want in reference.items():
+        family = "/".join(key.split("/")[:2])
+        error = abs(got[key] - want) / max(abs(want), 1e-300)
+        errors[family] = max(errors.get(family, 0.0), error)
 
 
 def _count_tolist(fn):
@@ -114,6 +189,20 @@ def test_batched_values_equal_the_per_layer_path_on_dense_gqa_and_moe_at_tp_1_an
                     for key in heads if tp == 1 else batched:
                         assert _close(batched[key], per_layer[key]), (tp, kind, key)
                 assert result[kind]["transfers"] == [1] * 6, (tp, kind)
+
+
+def test_batched_values_equal_a_float64_reference_formed_from_the_rows(runs):
+    for tp, results in runs.items():
+        families = set()
+        for result in results:
+            for kind in MODELS:
+                errors = result[kind]["errors"]
+                families |= set(errors)
+                assert max(errors.values()) <= 1e-6, (tp, kind, errors)
+        want = {f"attn/{t}" for t in ("delta2", "delta3", "dwq", "dwk", "qk", "coherence")}
+        if tp == 1:
+            want |= {f"attn/layer_{t}" for t in ("delta2", "dwq", "dwk")}
+        assert families == want, (tp, families)
 
 
 def test_exact_layer_spectra_agree_with_the_sketch_where_one_rank_holds_every_head(runs):

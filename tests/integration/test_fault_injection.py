@@ -57,7 +57,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
     import warnings
 
     from mechmon_megatron import monitor as mm
-    from mechmon_megatron.monitors import qk_observe, qk_sketch, qk_state, router, sharpness
+    from mechmon_megatron.monitors import qk_heads, qk_sketch, qk_state, router, sharpness
     from mechmon_megatron.train import trainer
 
     warnings.simplefilter("ignore")
@@ -94,7 +94,7 @@ def _worker(rank: int, world_size: int, out_dir: str, inject: bool) -> dict:
 
     mm.MechMon.begin_step, mm.MechMon.end_step = begin_step, end_step
     mm.MechMon.attach = attach_monitors
-    qk_observe.qk_spectra = injected("spectra", qk_observe.qk_spectra)
+    qk_heads.qk_spectra = injected("spectra", qk_heads.qk_spectra)
     qk_sketch.sketch_inputs = injected("sketch_inputs", qk_sketch.sketch_inputs)
     qk_sketch.operators = injected("sketch", qk_sketch.operators)
     router.RouterMonitor._layer_sums = injected("router", router.RouterMonitor._layer_sums)

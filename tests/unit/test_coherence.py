@@ -1,6 +1,6 @@
-"""Coherence of successive QK-form updates and sigma_1 of the form, against the formed d x d
-matrices; a drift that repeats one direction reads cos ~ 1, independent noise cos ~ 0, and the
-QK monitor emits both per head from its snapshots."""
+"""Coherence of successive QK-form updates and sigma_1 of the form (from the Gram blocks of two
+windows), against the formed d x d matrices; a drift that repeats one direction reads cos ~ 1,
+independent noise cos ~ 0, and the QK monitor emits both per head from its snapshots."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import types
 import pytest
 import torch
 
-from mechmon_megatron.math.coherence import form_sigma1, update_cosine, update_factors
+from mechmon_megatron.math.coherence import update_cosine
+from mechmon_megatron.math.qk_grams import form_sigma1, window_grams
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 
 H, G, K, D = 4, 2, 8, 48
@@ -25,6 +26,23 @@ def _forms(wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
     return wq.double().mT @ wk.double()[GROUP]  # [H, D, D]
 
 
+def _cosine(w0: tuple, w1: tuple, w2: tuple) -> torch.Tensor:
+    """The cosine from the blocks of the window ``w1 -> w2`` and the one before, ``w0 -> w1``."""
+    (q0, k0), (q1, k1), (q2, k2) = ((q.double(), k.double()) for q, k in (w0, w1, w2))
+    return update_cosine(window_grams(q1, q2 - q1, k1, k2 - k1, q1 - q0, k1 - k0), GROUP)
+
+
+def _sigma1(w0: tuple, w1: tuple) -> torch.Tensor:
+    """sigma_1 of the form at the end of the window ``w0 -> w1``."""
+    (q0, k0), (q1, k1) = ((q.double(), k.double()) for q, k in (w0, w1))
+    return form_sigma1(window_grams(q0, q1 - q0, k0, k1 - k0), GROUP)
+
+
+def _exact_cosine(w0: tuple, w1: tuple, w2: tuple) -> torch.Tensor:
+    d1, d0 = _forms(*w2) - _forms(*w1), _forms(*w1) - _forms(*w0)
+    return (d1 * d0).sum((1, 2)) / (d1.flatten(1).norm(dim=1) * d0.flatten(1).norm(dim=1))
+
+
 def test_cosine_and_sigma1_match_the_formed_matrices() -> None:
     gen = torch.Generator().manual_seed(0)
     w = [_weights(gen)]
@@ -32,14 +50,23 @@ def test_cosine_and_sigma1_match_the_formed_matrices() -> None:
         q, k = w[-1]
         w.append((q + 0.05 * torch.randn(q.shape, generator=gen),
                   k + 0.05 * torch.randn(k.shape, generator=gen)))
-    (q0, k0), (q1, k1), (q2, k2) = w
-    d1, d0 = _forms(q2, k2) - _forms(q1, k1), _forms(q1, k1) - _forms(q0, k0)
-    exact = (d1 * d0).sum((1, 2)) / (d1.flatten(1).norm(dim=1) * d0.flatten(1).norm(dim=1))
-    cos = update_cosine(update_factors(q1, q2, k1, k2, GROUP),
-                        update_factors(q0, q1, k0, k1, GROUP))
-    assert torch.allclose(cos, exact, atol=1e-10)
-    sigma = torch.linalg.matrix_norm(_forms(q2, k2), ord=2)
-    assert torch.allclose(form_sigma1(q2, k2, GROUP), sigma, rtol=1e-8)
+    assert torch.allclose(_cosine(*w), _exact_cosine(*w), atol=1e-10)
+    sigma = torch.linalg.matrix_norm(_forms(*w[2]), ord=2)
+    assert torch.allclose(_sigma1(w[1], w[2]), sigma, rtol=1e-8)
+
+
+def test_the_cosine_of_small_updates_to_large_weights_keeps_its_digits() -> None:
+    """Updates 1e-4 of the weights, successive ones nearly orthogonal (|cos| down to 1e-4):
+    within 1e-9 relative of the formed matrices' cosine (float64)."""
+    gen = torch.Generator().manual_seed(3)
+    w = [_weights(gen)]
+    for _ in range(2):
+        q, k = w[-1]
+        w.append((q + 1e-4 * torch.randn(q.shape, generator=gen),
+                  k + 1e-4 * torch.randn(k.shape, generator=gen)))
+    got, exact = _cosine(*w), _exact_cosine(*w)
+    assert float(exact.abs().min()) < 0.05
+    torch.testing.assert_close(got, exact, rtol=1e-9, atol=1e-13)
 
 
 def test_a_repeated_direction_reads_one_and_independent_noise_reads_near_zero() -> None:
@@ -47,17 +74,14 @@ def test_a_repeated_direction_reads_one_and_independent_noise_reads_near_zero() 
     q0, k0 = _weights(gen)
     dq, dk = 1e-3 * torch.randn(q0.shape, generator=gen), 1e-3 * torch.randn(k0.shape,
                                                                              generator=gen)
-    drift = update_cosine(update_factors(q0 + dq, q0 + 2 * dq, k0 + dk, k0 + 2 * dk, GROUP),
-                          update_factors(q0, q0 + dq, k0, k0 + dk, GROUP))
+    drift = _cosine((q0, k0), (q0 + dq, k0 + dk), (q0 + 2 * dq, k0 + 2 * dk))
     assert bool((drift > 0.999).all())
     q1, k1 = q0 + dq, k0 + dk
     q2 = q1 + 1e-3 * torch.randn(q0.shape, generator=gen)
     k2 = k1 + 1e-3 * torch.randn(k0.shape, generator=gen)
-    noise = update_cosine(update_factors(q1, q2, k1, k2, GROUP),
-                          update_factors(q0, q1, k0, k1, GROUP))
+    noise = _cosine((q0, k0), (q1, k1), (q2, k2))
     assert bool((noise.abs() < 0.3).all())
-    zero = update_cosine(update_factors(q1, q1, k1, k1, GROUP),
-                         update_factors(q0, q1, k0, k1, GROUP))
+    zero = _cosine((q0, k0), (q1, k1), (q1, k1))
     assert bool(zero.isnan().all())
 
 
@@ -84,9 +108,7 @@ def test_the_qk_monitor_emits_cosine_from_its_third_snapshot_on() -> None:
         outs.append(mon.end_step(step))
     assert not any(n.startswith("attn/coherence") for n in outs[1])
     assert set(outs[2]) <= names
-    (q0, k0), (q1, k1), (q2, k2) = history
-    expected = update_cosine(update_factors(q1, q2, k1, k2, GROUP),
-                             update_factors(q0, q1, k0, k1, GROUP))
+    expected = _exact_cosine(*history)
     for h in range(H):
         assert outs[2][f"attn/coherence/cos/layer_3/head_{h}"] == pytest.approx(
             float(expected[h]), abs=1e-6)

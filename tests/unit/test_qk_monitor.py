@@ -10,7 +10,8 @@ import warnings
 import pytest
 import torch
 
-from mechmon_megatron.math.spectra import qk_grams, qk_spectra, spectral_metrics
+from mechmon_megatron.math.qk_grams import qk_grams, qk_spectra
+from mechmon_megatron.math.spectra import spectral_metrics
 from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor, layer_stats
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mechmon_megatron.cli import main
-from mechmon_megatron.math.spectra import qk_grams, qk_spectra, spectral_metrics, term_rank_bound
+from mechmon_megatron.math.qk_grams import qk_grams, qk_spectra, term_rank_bound
+from mechmon_megatron.math.spectra import spectral_metrics
 from mechmon_megatron.scan import ScanError, scan
 
 NP, NG, HN, D, LAYERS = 4, 2, 8, 32, 4

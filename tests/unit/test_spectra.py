@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from mechmon_megatron.math.spectra import (
-    TERMS,
-    lowrank_sigma2,
-    qk_grams,
-    qk_spectra,
-    spectral_metrics,
-    term_rank_bound,
-)
+from mechmon_megatron.math.qk_grams import TERMS, qk_grams, qk_spectra, term_rank_bound
+from mechmon_megatron.math.spectra import lowrank_sigma2, spectral_metrics
 
 SIGMA2_RTOL = 1e-5
 ENTROPY_ATOL = 1e-6

@@ -82,7 +82,7 @@ __all__ = [
 
 ROOT = "campaign"
 SHIPPED = ("quick", "full", "long", "soak", "dev", "validation", "holdout", "holdout_long",
-           "mla_quick", "mla_holdout", "fast_holdout", "muon")
+           "mla_quick", "mla_holdout", "fast_holdout", "soak_shapes", "muon")
 """Campaigns shipped as package data (``mechmon_megatron/campaigns/<name>.yaml``)."""
 
 FaultClass = Literal["attention", "lr", "router", "compound", "fp8_attention"]

@@ -15,8 +15,9 @@ Per signal, a :class:`~mechmon_megatron.detect.channel.SignalChannel` feeds each
 detectors, then to the baseline (detect/channel.py); a ``log_signals`` sample reaches them as
 ``log(max(x, 1e-6))``, a ``jump_signals`` sample as its log-ratio to its trailing median
 (detect/jumps.py; absolute bounds and the comparison rules still judge ``x``). Whenever a
-baseline forms, the long-run-variance factor of its kind (the same name in every layer) is
-pooled anew from the kind's formed baselines (detect/budget.py) and given to each of them.
+baseline forms or adds a window of correlation evidence, the long-run-variance factor of its kind
+(the same name in every layer) is pooled anew from the window estimates of the kind's formed
+baselines (detect/budget.py) and given to each of them.
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class DetectorBank:
             if channel.baseline is not None:
                 kind = LAYER.sub("layer_*", name, count=1)
                 self.kinds.setdefault(kind, []).append(channel.baseline)
-        self._pooled = {kind: 0 for kind in self.kinds}
+        self._pooled = {kind: (0, 0) for kind in self.kinds}
         self.alarming: list[Finding] = []
         self.looks = Looks(config.escalation, self.channels, looked, self.jumps, self.logs,
                            config.warmup_samples)
@@ -299,13 +300,16 @@ class DetectorBank:
                     value = float(relative.get(name, raw))
                 fed[name] = value
                 findings.extend(channel.update(step, value, raw))
-        for name, pool in self.pools.items():
-            channel = self.channels[name]
-            if step >= channel.start_step:
-                findings.extend(channel.update(step, pool.update(fed, channel)))
+        # Credit before a baseline formed this step judges or tracks its first sample: the
+        # members' before their pools form from them, the pools' before they judge.
+        self._pool_long_run()
+        pooled = {name: pool.update(fed, self.channels[name]) for name, pool in self.pools.items()
+                  if step >= self.channels[name].start_step}
+        self._pool_long_run()
+        for name, value in pooled.items():
+            findings.extend(self.channels[name].update(step, value))
         findings = [locate(f, signals) for f in findings]
         self.alarming.extend(f for f in findings if f.alarm)
-        self._pool_long_run()
         return findings
 
     def escalate(self, step: int) -> int:
@@ -320,16 +324,18 @@ class DetectorBank:
         return findings
 
     def _pool_long_run(self) -> None:
-        """Give every formed baseline its kind's pooled long-run factor (when the kind's set
-        of formed baselines changed)."""
+        """Give every formed baseline its kind's pooled long-run factor, from every window
+        estimate of the kind's formed baselines (when a baseline formed or a window was added)."""
         for kind, baselines in self.kinds.items():
             formed = [b for b in baselines if b.ready]
-            if len(formed) == self._pooled[kind]:
+            evidence = _evidence(formed)
+            if evidence == self._pooled[kind]:
                 continue
-            f = long_run_factor([b.rho_hat for b in formed], self.config.warmup_samples)
+            f = long_run_factor([e for b in formed for e in b.estimates],
+                                self.config.warmup_samples)
             for b in formed:
                 b.credit(f)
-            self._pooled[kind] = len(formed)
+            self._pooled[kind] = evidence
 
     def diagnosis(self) -> Diagnosis | None:
         """Diagnosis of every alarming finding since the last reset; None while there is none."""
@@ -349,7 +355,7 @@ class DetectorBank:
             jump.reset()
         for pool in self.pools.values():
             pool.reset()
-        self._pooled = {kind: 0 for kind in self.kinds}
+        self._pooled = {kind: (0, 0) for kind in self.kinds}
         self.alarming = []
         self.looks.cancel()
 
@@ -375,9 +381,15 @@ class DetectorBank:
         for name, jump in self.jumps.items():
             if name in sd.get("jumps", {}):
                 jump.load_state_dict(sd["jumps"][name])
-        self._pooled = {kind: sum(b.ready for b in bs) for kind, bs in self.kinds.items()}
+        self._pooled = {kind: _evidence([b for b in bs if b.ready])
+                        for kind, bs in self.kinds.items()}
         self.alarming = [Finding(**f) for f in sd["alarming"]]
         self.looks.load_state_dict(sd.get("looks", {}))
+
+
+def _evidence(formed: list[Baseline]) -> tuple[int, int]:
+    """(formed baselines, later windows seen by them): changes whenever the kind's credit may."""
+    return len(formed), sum(b.windows for b in formed)
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:

@@ -46,9 +46,12 @@ is why both rules run. rho is estimated from the baselines' warm-up windows:
 
 - per signal, the lag-1 autocorrelation of its warm-up window after removing the least-squares
   line (tracked baselines follow trends) (:func:`lag1_autocorrelation`);
-- pooled over a signal's kind (the same name in every layer: same dynamics), by the median of
-  the kind's estimates: one 20-sample window estimates rho to +-0.2, the median over 80 layers
-  to +-0.03;
+- pooled over a signal's kind (the same name in every layer: same dynamics) and over the run,
+  by the median of the estimates of every window the kind's signals have seen since their
+  baselines formed (the warm-up window and each later 20-sample window of healthy samples, the
+  newest 24 per signal; detect/baseline.py): one 20-sample window estimates rho to +-0.2, the
+  median over 80 layers to +-0.03, and at 2 layers the evidence grows with the run instead of
+  staying at two windows;
 - bias-corrected: on m samples the detrended estimate is biased low, ``E[rho_hat] ~ rho -
   (2 + 6.5 rho) / m`` (Kendall's ``(1 + 4 rho) / m`` for a removed mean, one more parameter here;
   coefficients fitted on 3,000 simulated Gaussian AR(1) windows of 20 samples, rho in [0, 0.8]),
@@ -121,7 +124,8 @@ def cusum_threshold(p: float, drift: float) -> float:
 
 def lag1_autocorrelation(window: list[float]) -> float:
     """Lag-1 autocorrelation of ``window`` after removing its least-squares line (uncorrected);
-    NaN for fewer than 10 samples or a flat window."""
+    NaN for fewer than 10 samples or a flat window (residuals within 1e-12 of the mean: a
+    constant's rounding residue would read as a correlation near 1)."""
     m = len(window)
     if m < 10:
         return math.nan
@@ -130,8 +134,8 @@ def lag1_autocorrelation(window: list[float]) -> float:
     slope = sum(t * x for t, x in zip(tc, window, strict=True)) / sum(t * t for t in tc)
     r = [x - mean - slope * t for t, x in zip(tc, window, strict=True)]
     var = sum(v * v for v in r)
-    if not var > 0.0 or not math.isfinite(var):
-        return math.nan
+    if not var > m * (1e-12 * max(abs(mean), 1e-300)) ** 2 or not math.isfinite(var):
+        return math.nan  # flat: what is left is rounding
     return sum(a * b for a, b in zip(r[:-1], r[1:], strict=True)) / var
 
 

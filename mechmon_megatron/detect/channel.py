@@ -3,8 +3,9 @@ step.
 
 Each sample goes through: non-finite -> counted and skipped (a non-finite loss is a
 ``nonfinite`` finding); step < ``start_step`` -> ignored; otherwise every detector sees it, then
-the baseline takes it (a warm-up sample; or, when tracked, a sample that is non-alarming: oriented
-z within the robust-z threshold and no detector latched). NaN is "not observed": every detector
+the baseline takes it (a warm-up sample; or, after the warm-up, a sample of its correlation
+evidence, healthy or not, and, when tracked, a sample it moves toward if healthy: oriented z
+within the robust-z threshold and no detector latched). NaN is "not observed": every detector
 skips it.
 """
 
@@ -73,9 +74,11 @@ class SignalChannel:
         if math.isfinite(value) and b is not None:
             if not b.ready:
                 b.observe(value)
-            elif orient(b.z(value), self.direction) <= self.threshold and not any(
-                d.latched for d in self.detectors if d.alarm
-            ):
+                return findings
+            healthy = orient(b.z(value), self.direction) <= self.threshold and not any(
+                d.latched for d in self.detectors if d.alarm)
+            b.see(value, healthy)
+            if healthy:
                 b.track(value)
         return findings
 

@@ -77,8 +77,8 @@ class PackBaseline(Baseline):
     The location ``mu`` (the layer's usual offset from its peers) is formed and tracked as by
     :class:`Baseline`; the standardized value clips it on the benign side::
 
-        z = (x' - min(mu, 0)) / scale    (direction down)
-        z = (x' - max(mu, 0)) / scale    (direction up)
+        z = (x' - min(mu, 0)) / spread   (direction down)
+        z = (x' - max(mu, 0)) / spread   (direction up)
 
     A layer that sits above its peers may fall back into the pack (layers converge as training
     goes on) without reading as a drop; it alarms once it falls below the pack, as a layer that
@@ -101,4 +101,4 @@ class PackBaseline(Baseline):
             loc = min(loc, 0.0)
         elif self.direction == "up":
             loc = max(loc, 0.0)
-        return (value - loc) / self.scale
+        return (value - loc) / self.spread

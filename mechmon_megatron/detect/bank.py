@@ -8,24 +8,17 @@ signal table of every monitored step::
     findings = bank.update(step, table)        # list[Finding], deterministic order
     diagnosis = bank.diagnosis()               # Diagnosis of the alarming findings, or None
 
-Patterns: ``*`` matches within one path component, ``**`` across components, ``?`` one character
-(``attn/delta2/entropy/layer_*/min`` matches ``.../layer_12/min`` but not ``.../layer_12/head_3``).
-
-Per signal, a :class:`~mechmon_megatron.detect.channel.SignalChannel` feeds each sample to the
-detectors, then to the baseline (detect/channel.py); a ``log_signals`` sample reaches them as
-``log(max(x, 1e-6))``, a ``jump_signals`` sample as its log-ratio to its trailing median
-(detect/jumps.py; absolute bounds and the comparison rules still judge ``x``). Whenever a
-baseline forms or adds a window of correlation evidence, the long-run-variance factor of its kind
-(the same name in every layer) is pooled anew from the window estimates of the kind's formed
-baselines (detect/budget.py) and given to each of them.
+Patterns: detect/patterns.py. Per signal, a channel feeds each sample to the detectors, then to
+the baseline (detect/channel.py); a ``log_signals`` sample reaches them as ``log(max(x,
+1e-6))``, a ``jump_signals`` sample as its log-ratio to its trailing median (detect/jumps.py;
+absolute bounds and the comparison rules still judge ``x``). Each signal kind's correlation
+credit is pooled over its layers and the run (detect/credit.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -33,13 +26,9 @@ from mechmon_megatron.config import DetectorsConfig, FamilyDetectorConfig, MechM
 from mechmon_megatron.detect.attribution import Diagnosis, diagnose, locate
 from mechmon_megatron.detect.base import Finding
 from mechmon_megatron.detect.baseline import Baseline
-from mechmon_megatron.detect.budget import (
-    cusum_threshold,
-    long_run_factor,
-    per_sample_probability,
-    robust_z_threshold,
-)
+from mechmon_megatron.detect.budget import per_sample_probability
 from mechmon_megatron.detect.channel import SignalChannel
+from mechmon_megatron.detect.credit import KindCredit
 from mechmon_megatron.detect.detectors import (
     Bounds,
     Cusum,
@@ -51,68 +40,21 @@ from mechmon_megatron.detect.detectors import (
 )
 from mechmon_megatron.detect.jumps import TrailingJump
 from mechmon_megatron.detect.looks import Looks
+from mechmon_megatron.detect.patterns import (
+    DEFAULT_INTERVAL,
+    compile_pattern,
+    family_intervals,
+    log_scale,
+    matches,
+    warn_unmatched,
+)
 from mechmon_megatron.detect.peers import LAYER, PackBaseline, PeerGroups
 from mechmon_megatron.detect.pooled import LayerPool, pooled_channel, pooled_name
-from mechmon_megatron.families import FAMILIES
+from mechmon_megatron.detect.thresholds import resolve_family
 
-__all__ = ["DetectorBank", "compile_pattern", "log_scale", "LOG_FLOOR"]
+__all__ = ["DetectorBank"]
 
 LOSS, GRAD_NORM, MAX_LOGIT = "global/loss", "global/grad_norm", "global/max_logit"
-
-PATTERN_SETTINGS = ("signals", "peer_signals", "directions", "signal_bounds", "alarm_above",
-                    "log_signals", "bound_only", "jump_signals", "pooled_signals",
-                    "look_signals")
-"""Settings of a family whose keys or items are signal patterns: a pattern the user set that
-matches no signal of the model is warned about, whichever setting holds it."""
-
-
-def _warn_unmatched(family: str, fam: Any, names: list[str]) -> None:
-    """Warn once per pattern the user set for an enabled family that matches none of the model's
-    signals of that family (a typo, or a signal this model does not have). Silent for the
-    shipped patterns (they cover signals that some settings turn off, e.g. ``qk.coherence``) and
-    when the family has no signal at all (its monitor is off, e.g. router on a dense model)."""
-    own = [n for n in names if n.startswith(family + "/")]
-    if not own:
-        return
-    shipped = DetectorsConfig().families()[family]
-    for key in PATTERN_SETTINGS:
-        # A mapping's patterns are its keys (directions, signal_bounds, alarm_above).
-        for pattern in sorted(set(getattr(fam, key)) - set(getattr(shipped, key))):
-            regex = compile_pattern(pattern)
-            if not any(regex.match(n) for n in own):
-                effect = "it watches nothing" if key == "signals" else "it has no effect"
-                warnings.warn(f"mechmon: detectors.{family}.{key} pattern {pattern!r} matches no "
-                              f"signal of this model ({len(own)} {family}/ signals, e.g. "
-                              f"{own[0]!r}); {effect}", RuntimeWarning, stacklevel=4)
-
-
-LOG_FLOOR = 1e-6
-"""Smallest value a ``log_signals`` sample is taken at (an entropy of 0 reads as log 1e-6)."""
-
-
-def log_scale(x: float) -> float:
-    """``log(max(x, LOG_FLOOR))`` of a finite sample; NaN and +-inf pass unchanged."""
-    return math.log(max(x, LOG_FLOOR)) if math.isfinite(x) else x
-
-
-def compile_pattern(pattern: str) -> re.Pattern:
-    """Regex of a signal glob pattern (see the module docstring)."""
-    parts = re.split(r"(\*\*|\*|\?)", pattern)
-    wild = {"**": ".*", "*": "[^/]*", "?": "[^/]"}
-    return re.compile("".join(wild.get(p, re.escape(p)) for p in parts) + r"\Z")
-
-
-DEFAULT_INTERVAL = 100
-"""Monitor interval assumed for a family when the bank is built from ``detectors`` alone."""
-
-
-def family_intervals(config: MechMonConfig) -> dict[str, int]:
-    """Monitor interval of each signal family under ``config``."""
-    out = {f.name: int(getattr(config, f.interval_of).interval)
-           for f in FAMILIES if f.interval_of is not None}
-    out.update({f.name: math.gcd(*out.values()) for f in FAMILIES if f.interval_of is None})
-    return out
-
 
 class DetectorBank:
     """All channels of a run.
@@ -146,29 +88,29 @@ class DetectorBank:
             patterns = [compile_pattern(p) for p in fam.signals]
             watched += [(name, family, fam) for name in names
                         if name.startswith(family + "/") and any(p.match(name) for p in patterns)]
-            _warn_unmatched(family, fam, names)
+            warn_unmatched(family, fam, names)
         self.thresholds: dict[str, dict[str, float]] = {}
         self.logs: set[str] = set()
         """Signals judged on a log scale (``log_signals``)."""
         self.jumps: dict[str, TrailingJump] = {}
         """Signals judged for jumps against their trailing window (``jump_signals``)."""
         self.peers = PeerGroups(name for name, _, fam in watched
-                                if _matches(name, fam.peer_signals))
+                                if matches(name, fam.peer_signals))
         # A layer with two or more pooled signals gets one pooled statistic; its signals'
         # own rules are off (a lone signal keeps its rules: a mean of one is itself).
         members: dict[tuple[str, str], list[str]] = {}
         for name, family, fam in watched:
-            if _matches(name, fam.pooled_signals) and (m := LAYER.search(name)):
+            if matches(name, fam.pooled_signals) and (m := LAYER.search(name)):
                 members.setdefault((family, m.group(0)), []).append(name)
         members = {k: v for k, v in members.items() if len(v) > 1}
         self._members = {n for names in members.values() for n in names}
         rules = [(name, fam) for name, _, fam in watched
-                 if not _matches(name, fam.bound_only) and name not in self._members]
+                 if not matches(name, fam.bound_only) and name not in self._members]
         # Look signals: per-step signals with a robust-z rule of their own (not judged
         # against peers); each prices two more rules, its looks' innovation and level readings
         # (detect/looks.py).
         looked = [name for name, fam in rules if fam.robust_z.enabled and name not in self.peers
-                  and _matches(name, fam.look_signals)] if config.escalation.enabled else []
+                  and matches(name, fam.look_signals)] if config.escalation.enabled else []
         priced = len(members) + len(rules) + 2 * len(looked)
         resolved = {}
         for name, family, fam in watched:
@@ -192,12 +134,9 @@ class DetectorBank:
             self._channel(MAX_LOGIT).detectors.append(
                 LogitThreshold(MAX_LOGIT, "global", cmp.qk_clip))
         self.channels = dict(sorted(self.channels.items()))
-        self.kinds: dict[str, list[Baseline]] = {}
-        for name, channel in self.channels.items():
-            if channel.baseline is not None:
-                kind = LAYER.sub("layer_*", name, count=1)
-                self.kinds.setdefault(kind, []).append(channel.baseline)
-        self._pooled = {kind: (0, 0) for kind in self.kinds}
+        self.credit = KindCredit(((n, c.baseline) for n, c in self.channels.items()
+                                  if c.baseline is not None), config.warmup_samples)
+        """Correlation credit per signal kind (detect/credit.py)."""
         self.alarming: list[Finding] = []
         self.looks = Looks(config.escalation, self.channels, looked, self.jumps, self.logs,
                            config.warmup_samples)
@@ -208,19 +147,8 @@ class DetectorBank:
         """``fam`` with its null thresholds set from the false-alarm budget."""
         p = per_sample_probability(self.config.false_alarms_per_10k_steps, signals,
                                    int(self.intervals.get(family, DEFAULT_INTERVAL)))
-        rz, cs = fam.robust_z, fam.cusum
-        share = p / 2.0 if rz.single else p
-        if rz.threshold is None:
-            rz = dataclasses.replace(rz, threshold=robust_z_threshold(share, rz.k, rz.n))
-        if rz.single_threshold is None:
-            rz = dataclasses.replace(rz, single_threshold=robust_z_threshold(share, 1, 1))
-        if cs.threshold is None:
-            cs = dataclasses.replace(cs, threshold=cusum_threshold(p, cs.drift))
-        self.thresholds[family] = {"robust_z": rz.threshold, "cusum": cs.threshold,
-                                   "per_sample_probability": p}
-        if rz.single:
-            self.thresholds[family]["robust_z_single"] = rz.single_threshold
-        return dataclasses.replace(fam, robust_z=rz, cusum=cs)
+        fam, self.thresholds[family] = resolve_family(fam, p)
+        return fam
 
     def _pool(self, family: str, layer: str, fam: FamilyDetectorConfig,
               members: list[str]) -> None:
@@ -238,9 +166,9 @@ class DetectorBank:
             fam.direction,
         )
         config, warmup = fam.baseline or self.config.baseline, self.config.warmup_samples
-        if _matches(name, fam.jump_signals):
+        if matches(name, fam.jump_signals):
             self.jumps[name] = TrailingJump(fam.jump_window)
-        elif _matches(name, fam.log_signals):
+        elif matches(name, fam.log_signals):
             self.logs.add(name)
             config = dataclasses.replace(config, min_rel_scale=0.0, min_abs_scale=max(
                 config.min_abs_scale, config.min_rel_scale))
@@ -248,7 +176,7 @@ class DetectorBank:
                     else Baseline(config, warmup))
         channel = SignalChannel(name, family, self.config.family_start(family),
                                 baseline, direction, fam.robust_z.threshold)
-        rules = not _matches(name, fam.bound_only) and name not in self._members
+        rules = not matches(name, fam.bound_only) and name not in self._members
         if fam.robust_z.enabled and rules:
             channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, direction))
         if fam.cusum.enabled and rules and name not in self.jumps:
@@ -302,10 +230,10 @@ class DetectorBank:
                 findings.extend(channel.update(step, value, raw))
         # Credit before a baseline formed this step judges or tracks its first sample: the
         # members' before their pools form from them, the pools' before they judge.
-        self._pool_long_run()
+        self.credit.update()
         pooled = {name: pool.update(fed, self.channels[name]) for name, pool in self.pools.items()
                   if step >= self.channels[name].start_step}
-        self._pool_long_run()
+        self.credit.update()
         for name, value in pooled.items():
             findings.extend(self.channels[name].update(step, value))
         findings = [locate(f, signals) for f in findings]
@@ -322,20 +250,6 @@ class DetectorBank:
         findings = self.looks.look(step, signals)
         self.alarming.extend(f for f in findings if f.alarm)
         return findings
-
-    def _pool_long_run(self) -> None:
-        """Give every formed baseline its kind's pooled long-run factor, from every window
-        estimate of the kind's formed baselines (when a baseline formed or a window was added)."""
-        for kind, baselines in self.kinds.items():
-            formed = [b for b in baselines if b.ready]
-            evidence = _evidence(formed)
-            if evidence == self._pooled[kind]:
-                continue
-            f = long_run_factor([e for b in formed for e in b.estimates],
-                                self.config.warmup_samples)
-            for b in formed:
-                b.credit(f)
-            self._pooled[kind] = evidence
 
     def diagnosis(self) -> Diagnosis | None:
         """Diagnosis of every alarming finding since the last reset; None while there is none."""
@@ -355,7 +269,7 @@ class DetectorBank:
             jump.reset()
         for pool in self.pools.values():
             pool.reset()
-        self._pooled = {kind: (0, 0) for kind in self.kinds}
+        self.credit.reset()
         self.alarming = []
         self.looks.cancel()
 
@@ -381,17 +295,6 @@ class DetectorBank:
         for name, jump in self.jumps.items():
             if name in sd.get("jumps", {}):
                 jump.load_state_dict(sd["jumps"][name])
-        self._pooled = {kind: _evidence([b for b in bs if b.ready])
-                        for kind, bs in self.kinds.items()}
+        self.credit.restored()
         self.alarming = [Finding(**f) for f in sd["alarming"]]
         self.looks.load_state_dict(sd.get("looks", {}))
-
-
-def _evidence(formed: list[Baseline]) -> tuple[int, int]:
-    """(formed baselines, later windows seen by them): changes whenever the kind's credit may."""
-    return len(formed), sum(b.windows for b in formed)
-
-
-def _matches(name: str, patterns: Iterable[str]) -> bool:
-    """Whether ``name`` matches any of the glob ``patterns``."""
-    return any(compile_pattern(p).match(name) for p in patterns)

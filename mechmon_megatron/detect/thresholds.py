@@ -25,9 +25,30 @@ import dataclasses
 import math
 from typing import Any
 
+from mechmon_megatron.config import FamilyDetectorConfig
 from mechmon_megatron.detect.base import Detector, Finding
+from mechmon_megatron.detect.budget import cusum_threshold, robust_z_threshold
 
-__all__ = ["crossed", "rule_thresholds", "threshold_table", "with_threshold"]
+__all__ = ["crossed", "resolve_family", "rule_thresholds", "threshold_table", "with_threshold"]
+
+
+def resolve_family(fam: FamilyDetectorConfig,
+                   p: float) -> tuple[FamilyDetectorConfig, dict[str, float]]:
+    """``fam`` with its null thresholds set for a per-sample false-alarm probability ``p``
+    (detect/budget.py; the single-sample rule, when on, takes half of ``p``), and the table of
+    what was resolved."""
+    rz, cs = fam.robust_z, fam.cusum
+    share = p / 2.0 if rz.single else p
+    if rz.threshold is None:
+        rz = dataclasses.replace(rz, threshold=robust_z_threshold(share, rz.k, rz.n))
+    if rz.single_threshold is None:
+        rz = dataclasses.replace(rz, single_threshold=robust_z_threshold(share, 1, 1))
+    if cs.threshold is None:
+        cs = dataclasses.replace(cs, threshold=cusum_threshold(p, cs.drift))
+    table = {"robust_z": rz.threshold, "cusum": cs.threshold, "per_sample_probability": p}
+    if rz.single:
+        table["robust_z_single"] = rz.single_threshold
+    return dataclasses.replace(fam, robust_z=rz, cusum=cs), table
 
 
 def rule_thresholds(detector: Detector) -> dict[str, float | None]:

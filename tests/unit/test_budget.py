@@ -79,8 +79,9 @@ def test_long_run_factor_is_one_without_an_estimate_and_capped():
 
 def test_cusum_standardises_by_the_pooled_long_run_variance_and_keeps_it_in_its_state():
     """Ten layers whose warm-up windows are slow (runs of 4 samples: rho > 0) share a long-run
-    factor > 2: the same persistent shift of 2.4 predictive spreads that fires the CUSUM of independent noise
-    (f = 1) within 7 samples leaves theirs silent; the factor survives a state round trip."""
+    factor > 2: the same persistent shift of 2.4 predictive spreads that fires the CUSUM of
+    independent noise (f = 1) within 7 samples leaves theirs silent; the factor survives a state
+    round trip."""
     cfg = load_config({"detectors": {"attn": {"robust_z": {"enabled": False}, "peer_signals": [],
                                               "cusum": {"threshold": 6.0}}}})
     names = [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, 11)]
@@ -116,10 +117,11 @@ def test_robust_z_prewhitens_by_the_credited_correlation():
     """Forty layers of AR(1) noise (phi 0.8) at a low threshold (2.0, 3 of 4): judged as
     independent (warm-up windows without correlation, nothing credited, later windows ignored)
     the rule fires on most layers within 500 samples, because exceedances come in runs; the
-    windows after the warm-up credit the correlation and keep it near the credited case; with the correlation credited
-    from correlated warm-up windows (residuals, warm-up scale corrected) it fires about as
-    often as on independent noise (6-7 layers of 40 there: the scale of a 20-sample window is
-    itself noisy), and a persistent shift still fires everywhere."""
+    windows after the warm-up credit the correlation and keep it near the credited case; with
+    the correlation credited from correlated warm-up windows (residuals, warm-up scale
+    corrected) it fires about as often as on independent noise (6-7 layers of 40 there: the
+    scale of a 20-sample window is itself noisy), and a persistent shift still fires
+    everywhere."""
     cfg = load_config({"detectors": {"attn": {"cusum": {"enabled": False}, "peer_signals": [],
                                               "robust_z": {"threshold": 2.0, "k": 3, "n": 4}}}})
     names = [f"attn/delta2/entropy/layer_{i}/min" for i in range(1, 41)]

@@ -8,7 +8,7 @@ import pytest
 
 from mechmon_megatron.config import MechMonConfig
 from mechmon_megatron.detect.attribution import DESCRIPTIONS, FAULT_CLASSES
-from mechmon_megatron.detect.bank import family_intervals
+from mechmon_megatron.detect.patterns import family_intervals
 from mechmon_megatron.families import FAMILIES, FAMILY_NAMES, family
 from mechmon_megatron.signals import family_of
 

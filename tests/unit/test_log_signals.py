@@ -11,7 +11,7 @@ import random
 
 from mechmon_megatron.config import load_config
 from mechmon_megatron.detect import DetectorBank
-from mechmon_megatron.detect.bank import LOG_FLOOR, log_scale
+from mechmon_megatron.detect.patterns import LOG_FLOOR, log_scale
 
 NAMES = [f"router/entropy_mean/layer_{i}" for i in (1, 2)]
 

@@ -31,6 +31,9 @@ class SignalChannel:
         baseline: shared by the standardizing detectors; None for comparison-only channels.
         direction: alarm direction of the family detectors.
         threshold: oriented z above which a sample is alarming (never tracked).
+        evidence_threshold: oriented z above which a sample drops its window from the
+            correlation evidence (default ``threshold``; a pooled statistic tracks below a gate
+            at half its rule's threshold, but its evidence is every sample its rule passes).
     """
 
     def __init__(
@@ -41,9 +44,11 @@ class SignalChannel:
         baseline: Baseline | None,
         direction: str,
         threshold: float,
+        evidence_threshold: float | None = None,
     ) -> None:
         self.signal, self.family, self.start_step = signal, family, start_step
         self.baseline, self.direction, self.threshold = baseline, direction, threshold
+        self.evidence_threshold = threshold if evidence_threshold is None else evidence_threshold
         self.detectors: list[Detector] = []
         self.nonfinite = 0
 
@@ -75,10 +80,10 @@ class SignalChannel:
             if not b.ready:
                 b.observe(value)
                 return findings
-            healthy = orient(b.z(value), self.direction) <= self.threshold and not any(
-                d.latched for d in self.detectors if d.alarm)
-            b.see(value, healthy)
-            if healthy:
+            z = orient(b.z(value), self.direction)
+            latched = any(d.latched for d in self.detectors if d.alarm)
+            b.see(value, z <= self.evidence_threshold and not latched)
+            if z <= self.threshold and not latched:
                 b.track(value)
         return findings
 

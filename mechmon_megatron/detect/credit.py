@@ -4,7 +4,14 @@ A kind is a signal name with its layer index replaced (``attn/delta2/entropy/lay
 the same quantity in every layer, with the same dynamics. Whenever one of its baselines forms
 or adds a window of correlation evidence (detect/baseline.py), the kind's long-run-variance
 factor ``f`` is pooled anew from every window estimate of its formed baselines
-(:func:`~mechmon_megatron.detect.budget.long_run_factor`) and given to each of them.
+(:func:`~mechmon_megatron.detect.budget.long_run_factor`) and given to each of them, never
+below what the warm-up windows alone credit: a signal's correlation changes over a run (the
+warm-up falls right after the LR warm-up, where signals move fastest; a cosine's late phase
+moves them again), the credit keeps the thresholds valid in the most correlated phase seen, and
+the later windows only ever add credit. Measured on a healthy `dev` run (3 layers, 5,000
+steps): its later windows read less correlation than its warm-up (the update cosine 0.75, then
+-0.14), and a credit that fell with them turned a 3-sample excursion at the run's end into an
+alarm.
 
 Pure and deterministic: identical on every rank given the same samples.
 """
@@ -56,7 +63,8 @@ class KindCredit:
             if evidence == self.seen[kind]:
                 continue
             formed = [b for b in baselines if b.ready]
-            f = long_run_factor([e for b in formed for e in b.estimates], self.warmup)
+            f = max(long_run_factor([b.rho_hat for b in formed], self.warmup),
+                    long_run_factor([e for b in formed for e in b.estimates], self.warmup))
             for b in formed:
                 b.credit(f)
             self.seen[kind] = evidence

@@ -98,7 +98,8 @@ def pooled_channel(name: str, family: str, fam: FamilyDetectorConfig, base: Base
     baseline = GatedBaseline(BaselineConfig(method=base.method, mode="tracked",
                                             track_rate=POOL_TRACK_RATE, min_rel_scale=0.0,
                                             min_abs_scale=0.1), warmup_samples, gate)
-    channel = SignalChannel(name, family, start_step, baseline, "up", gate)
+    channel = SignalChannel(name, family, start_step, baseline, "up", gate,
+                            fam.robust_z.threshold)
     if fam.robust_z.enabled:
         channel.detectors.append(RobustZ(name, family, baseline, fam.robust_z, "up"))
     if fam.cusum.enabled:

@@ -79,3 +79,15 @@ def test_the_evidence_travels_with_the_state():
         a, b = whole.channels[n].baseline, resumed.channels[n].baseline
         assert (a.later, a.pending, a.windows, a.long_run) == (b.later, b.pending, b.windows,
                                                                 b.long_run)
+
+
+def test_the_credit_never_falls_below_what_the_warm_up_windows_credit():
+    """Correlated warm-up windows, independent samples after: later windows add no credit and
+    take none away."""
+    rng = random.Random(9)
+    bank = DetectorBank(CONFIG, NAMES)
+    _feed(bank, [_ar1(0.8, 20, rng) for _ in NAMES])
+    b = bank.channels[NAMES[0]].baseline
+    warm = b.long_run
+    _feed(bank, [[5.0 + 0.1 * rng.gauss(0, 1) for _ in range(200)] for _ in NAMES], start=20)
+    assert warm > 1.5 and b.windows >= 8 and b.long_run == warm

@@ -1,7 +1,7 @@
 """``mechmon bench``: what the monitor costs on the reference model, on and off side by side.
 
     mechmon bench [--steps 200] [--intervals 1 10 100] [--layers 4[,24,80]] [--hidden 128[,64]]
-                  [--heads 4] [--seq 128] [--batch 8]
+                  [--heads 4] [--seq 128] [--batch 8] [--experts 0]
 
 ``--layers`` and ``--hidden`` take comma lists: one model per pair (a sweep), in order. For
 each, one process trains the reference trainer's GPT (:mod:`mechmon_megatron.train.trainer`, one CPU
@@ -25,6 +25,13 @@ continuing the same model. Columns:
 - ``snapshots MiB``: tensors held by the monitor between monitored steps (its state);
 - ``RSS peak +MiB``: growth of the process's resident high-water mark during the run (CPU; an
   upper bound of the transient memory the monitor adds, 0 when below an earlier peak);
+- ``looks``, ``look ms``: escalation's looks taken in the run (at the first 20 regular samples
+  after detection starts, calibration looks; later, looks a suspect sample asks for) and the
+  monitor's mean wall time on a look step;
+- ``trigger ms``: the trigger check per regular sample (``DetectorBank.escalate``);
+- ``escalation share``: what escalation costs a healthy run, ``trigger ms / interval +
+  HEALTHY_LOOK_RATE x look ms`` over ``step ms off`` (:data:`HEALTHY_LOOK_RATE`: the looks per
+  step of the live healthy drill runs, 0.21 %; the target is <= 0.2 %);
 - ``alarm``: the step of an alarm the monitor raised on this healthy model (``-``: none; a
   healthy run should stay silent at every interval).
 """
@@ -42,7 +49,12 @@ from typing import Any
 from mechmon_megatron.commands.exit_codes import int_in
 from mechmon_megatron.config.monitors import MAX_INTERVAL
 
-__all__ = ["add_parser", "run", "bench"]
+__all__ = ["add_parser", "run", "bench", "escalation_share", "HEALTHY_LOOK_RATE"]
+
+HEALTHY_LOOK_RATE = 268 / 128_400
+"""Looks per step on healthy runs, live at the shipped defaults (interval 100): 268 looks in
+128,400 steps of 11 healthy drill runs (soak, fast_holdout, mla_holdout, long, soak_shapes;
+2-12 layers, 5k-20k steps), 20 of each run's its calibration looks, the rest triggered."""
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -60,6 +72,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=positive, default=4)
     parser.add_argument("--seq", type=positive, default=128)
     parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--experts", type=int_in(0, 64), default=0,
+                        help="MoE experts per layer, top-2 (0: dense, the default); the router's "
+                             "signals are per-step, so escalation's looks sample them")
     return parser
 
 
@@ -71,22 +86,38 @@ def _ints(text: str) -> list[int]:
 
 class _Timed:
     """Wraps a MechMon, adding up the seconds (wall and this thread's CPU) spent in its step
-    calls."""
+    calls, and apart from them the wall seconds of escalation's looks and of its trigger check
+    (``DetectorBank.escalate``, after each regular sample)."""
 
     def __init__(self, mon: Any) -> None:
         self.mon = mon
-        self.seconds = 0.0
-        self.cpu_seconds = 0.0
+        self.seconds = self.cpu_seconds = self.look_seconds = self.trigger_seconds = 0.0
+        self.looks = 0
+        self._look = False
+        escalate = mon.detectors.escalate
+
+        def timed_escalate(step: int) -> int:
+            tick = time.perf_counter()
+            try:
+                return escalate(step)
+            finally:
+                self.trigger_seconds += time.perf_counter() - tick
+
+        mon.detectors.escalate = timed_escalate
 
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         tick, cpu = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - tick
+            spent = time.perf_counter() - tick
+            self.seconds += spent
             self.cpu_seconds += time.thread_time() - cpu
+            self.look_seconds += spent if self._look else 0.0
 
     def begin_step(self, step: int) -> None:
+        self._look = step in self.mon.looks
+        self.looks += self._look
         self._call(self.mon.begin_step, step)
 
     def end_step(self, step: int, **kwargs: Any) -> Any:
@@ -121,13 +152,16 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
     cfg = load_train_config({
         "steps": args.steps * (len(args.intervals) + 1), "log_interval": 0,
         "model": {"num_layers": args.layers, "hidden_size": args.hidden,
-                  "num_attention_heads": args.heads, "seq_length": args.seq},
+                  "num_attention_heads": args.heads, "seq_length": args.seq,
+                  **({"num_moe_experts": args.experts, "moe_router_topk": 2,
+                      "moe_aux_loss_coeff": 0.01} if args.experts else {})},
         "data": {"global_batch_size": args.batch},
         "mechmon": {"enabled": False},
     })
     # Every monitor config is built before any training, so a bad value costs no time.
     mon_cfgs = [load_train_config({"mechmon": {
-        "preset": "dense", "qk": {"interval": interval}, "output_dir": "unused",
+        "preset": "moe" if args.experts else "dense", "qk": {"interval": interval},
+        **({"router": {"interval": interval}} if args.experts else {}), "output_dir": "unused",
         "actions": {"on_alarm": "log"},
         "sinks": {"jsonl": {"enabled": False}, "console": {"enabled": False}}}}).mechmon
         for interval in args.intervals]
@@ -169,6 +203,9 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
                          "cpu_share_pct": 100 * cpu / (on_cpu * args.steps - cpu),
                          "state_mib": state_bytes(mon.state_dict()) / 2**20,
                          "rss_mib": max(0.0, _rss_mib() - rss),
+                         "looks": trainer.mon.looks,
+                         "look_ms": 1e3 * trainer.mon.look_seconds / max(1, trainer.mon.looks),
+                         "trigger_ms": 1e3 * trainer.mon.trigger_seconds * interval / args.steps,
                          "alarm": mon.alarm.alarm_step if mon.alarm is not None else None})
             trainer.mon = None
         return rows
@@ -181,14 +218,23 @@ def bench(args: argparse.Namespace) -> list[dict[str, float]]:
             comm.destroy_world()
 
 
+def escalation_share(row: dict[str, Any]) -> float:
+    """Escalation's share of a healthy run's step time, in %: its trigger check after every
+    regular sample plus :data:`HEALTHY_LOOK_RATE` looks per step at this run's cost of a look,
+    over the step time without the monitor."""
+    per_step = row["trigger_ms"] / row["interval"] + HEALTHY_LOOK_RATE * row["look_ms"]
+    return 100.0 * per_step / row["off_ms"]
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the benchmark table, one block of rows per model of the sweep; returns 0."""
     models = [(layers, hidden) for layers in args.layers for hidden in args.hidden]
     print(f"mechmon bench: {args.heads} heads, batch {args.batch} x seq {args.seq}, "
           f"{args.steps} steps per run, 1 CPU thread")
     print("| model | interval | step ms off | step ms on | monitor ms/step | ms/layer | share "
-          "| CPU ms/layer | CPU share | snapshots MiB | RSS peak +MiB | alarm |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| CPU ms/layer | CPU share | snapshots MiB | RSS peak +MiB | looks | look ms "
+          "| trigger ms | escalation share | alarm |")
+    print("| --- |" + " ---: |" * 15)
     for layers, hidden in models:
         for r in bench(argparse.Namespace(**{**vars(args), "layers": layers,
                                              "hidden": hidden})):
@@ -196,5 +242,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['on_ms']:.1f} | {r['monitor_ms']:.2f} | {r['layer_ms']:.2f} | "
                   f"{r['share_pct']:.2f} % | {r['cpu_layer_ms']:.2f} | "
                   f"{r['cpu_share_pct']:.2f} % | {r['state_mib']:.2f} | {r['rss_mib']:.1f} | "
+                  f"{r['looks']} | {r['look_ms']:.2f} | {r['trigger_ms']:.3f} | "
+                  f"{escalation_share(r):.3f} % | "
                   f"{r['alarm'] if r['alarm'] is not None else '-'} |", flush=True)
     return 0

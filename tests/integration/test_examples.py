@@ -68,3 +68,21 @@ def test_bench_raises_no_alarm_on_its_healthy_model_at_any_interval(tmp_path):
             and line.split("|")[2].strip().isdigit()]
     assert [r.split("|")[2].strip() for r in rows] == ["1", "10", "100"]
     assert all(r.rstrip(" |").endswith("-") for r in rows), rows  # the alarm column
+
+
+def test_bench_measures_escalation_on_a_moe_model():
+    """The router's per-step signals are look signals: the run takes its calibration looks,
+    times them, and escalation's share of a healthy run is within its 0.2 % target."""
+    pytest.importorskip("megatron.core")
+    from mechmon_megatron.commands.bench_cmd import HEALTHY_LOOK_RATE, escalation_share
+
+    row = {"interval": 100, "off_ms": 100.0, "trigger_ms": 0.5, "look_ms": 4.0}
+    assert escalation_share(row) == pytest.approx(100 * (0.005 + HEALTHY_LOOK_RATE * 4.0) / 100)
+    cmd = [sys.executable, "-m", "mechmon_megatron", "bench", "--steps", "100", "--intervals",
+           "10", "--layers", "2", "--hidden", "64", "--seq", "64", "--experts", "8"]
+    proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = [line.split("|")[1:-1] for line in proc.stdout.splitlines()
+              if line.startswith("| 2 x 64 |")]
+    looks, look_ms, share = int(row[11]), float(row[12]), float(row[14].rstrip(" %"))
+    assert looks >= 5 and look_ms > 0.0 and share <= 0.2, row

@@ -134,7 +134,7 @@ def _layer_stats_per_group(table, groups):
                 stats = (math.inf,) * 3 if seen else (math.nan,) * 3
             else:
                 stats = (sum(seen) / len(seen), min(seen), max(seen))
-        out.update(zip([prefix + "/mean", prefix + "/min", prefix + "/max"], stats))
+        out.update(zip([prefix + "/mean", prefix + "/min", prefix + "/max"], stats, strict=True))
     return out
 
 

@@ -82,17 +82,17 @@ class HeadStats:
                     if present:
                         out.update(zip(_stat_keys(prefix), _stats(present), strict=True))
                 continue
+            heads = len(names) // len(prefixes)
             values_PH = torch.frombuffer(array.array("d", flat), dtype=torch.float64).view(
-                len(prefixes), -1)
+                len(prefixes), heads)
             total_P = torch.zeros(len(prefixes), dtype=torch.float64)
-            for h in range(values_PH.shape[1]):
+            for h in range(heads):
                 total_P = total_P + values_PH[:, h]
-            stats_P3 = torch.stack([total_P / values_PH.shape[1], values_PH.amin(1),
-                                    values_PH.amax(1)], dim=1)
-            stats = stats_P3.tolist()
-            for p in (~torch.isfinite(total_P)).nonzero().flatten().tolist():
-                stats[p] = _stats(flat[p * values_PH.shape[1]:(p + 1) * values_PH.shape[1]])
-            out.update(zip(keys, (v for row in stats for v in row), strict=True))
+            stats = torch.stack([total_P / heads, values_PH.amin(1), values_PH.amax(1)],
+                                dim=1).view(-1).tolist()
+            for p in (~torch.isfinite(total_P)).nonzero().view(-1).tolist():
+                stats[3 * p:3 * p + 3] = _stats(flat[p * heads:(p + 1) * heads])
+            out.update(zip(keys, stats, strict=True))
         return out
 
 

@@ -42,7 +42,6 @@ import torch
 __all__ = [
     "SCORE_FUNCTIONS",
     "TOKEN_STATS",
-    "WEIGHT_STATS",
     "RoutingSums",
     "num_slots",
     "token_distribution",
@@ -51,7 +50,6 @@ __all__ = [
     "merge_sums",
     "histogram_quantiles",
     "routing_stats",
-    "router_weight_stats",
 ]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -71,9 +69,6 @@ TOKEN_STATS = (
     "z_max",
 )
 """Keys of :func:`routing_stats`, in signal-name spelling."""
-
-WEIGHT_STATS = ("weight_cosine", "weight_cond_max", "weight_cond_fro")
-"""Keys of :func:`router_weight_stats`, in signal-name spelling."""
 
 _QUANTILES = {"entropy_frac_p10": 0.1, "entropy_frac_p50": 0.5, "entropy_frac_p90": 0.9}
 _SCALARS = 5  # count, sum H, sum p_(1), sum p_(2), sum lse
@@ -270,39 +265,3 @@ def routing_stats(
             dead_experts=float(sum(n == 0 for n in load)),
         )
     return out
-
-
-def router_weight_stats(weight_LED: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Similarity and centred conditioning of router rows ``w_e``, batched over layers.
-
-    With ``u_e = w_e / ||w_e||`` and the mean row ``w_bar = (1/E) sum_e w_e``:
-
-    | key | formula |
-    | --- | --- |
-    | ``weight_cosine`` | ``(E ||(1/E) sum_e u_e||^2 - 1) / (E - 1)`` (Eq. 7) |
-    | ``weight_cond_max`` | ``max_e ||w_e - w_bar|| / ||w_bar||`` |
-    | ``weight_cond_fro`` | ``||W - 1 w_bar^T||_F / ||w_bar||`` |
-
-    ``weight_cosine`` equals the mean of ``cos(w_i, w_j)`` over ``i != j``, since
-    ``||sum_e u_e||^2 = E + sum_{i != j} cos(w_i, w_j)``. Softmax routing is shift-invariant, so
-    only the centred router ``W - 1 w_bar^T`` changes routing; its size relative to the shared
-    direction ``w_bar`` is what the conditioning reads.
-
-    Args:
-        weight_LED: ``[..., E, D]`` router weights (any leading layer dims), any float dtype.
-
-    Returns:
-        ``{key: [...]}`` float64 tensors over the leading dims.
-    """
-    w_LED = weight_LED.detach().to(torch.float64)
-    num_experts = w_LED.shape[-2]
-    norm = torch.linalg.vector_norm
-    mean_unit_LD = (w_LED / norm(w_LED, dim=-1, keepdim=True)).mean(dim=-2)
-    mean_LD = w_LED.mean(dim=-2)
-    row_LE = norm(w_LED - mean_LD.unsqueeze(-2), dim=-1)
-    scale_L = norm(mean_LD, dim=-1)
-    return {
-        "weight_cosine": (num_experts * norm(mean_unit_LD, dim=-1) ** 2 - 1) / (num_experts - 1),
-        "weight_cond_max": row_LE.amax(dim=-1) / scale_L,
-        "weight_cond_fro": norm(row_LE, dim=-1) / scale_L,
-    }

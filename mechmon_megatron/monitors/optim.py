@@ -12,9 +12,9 @@ group such as ``embedding``) over the window ``W0 -> W1``::
 ``update_ratio.window``: ``step`` (default) compares the weights before and after the optimizer
 step of a monitored step (a transient copy taken in ``begin_step``, freed at ``end_step``);
 ``interval`` compares with the previous monitored step (a persistent snapshot, kept in the
-monitor state). The ratios' names say which (``<w>`` below: ``step`` or ``interval``; ``mechmon
-scan`` names its ratios between checkpoints ``ckpt``). The sums and ratios:
-:mod:`mechmon_megatron.monitors.update_ratio`.
+monitor state; both: :mod:`mechmon_megatron.monitors.update_window`). The ratios' names say which
+(``<w>`` below: ``step`` or ``interval``; ``mechmon scan`` names its ratios between checkpoints
+``ckpt``). The sums and ratios: :mod:`mechmon_megatron.monitors.update_ratio`.
 
 ========================================  ==========================================================
 ``optim/update_sq/<key>``                 ``|W1 - W0|_F^2`` of the key (all shards)
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +56,8 @@ from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
 from mechmon_megatron.monitors.sharpness import SharpnessEstimator
 from mechmon_megatron.monitors.sharpness_schedule import EOS_RATIO, SharpnessSchedule
-from mechmon_megatron.monitors.update_ratio import derive_ratios, owned_sums, ratio_prefix
+from mechmon_megatron.monitors.update_ratio import derive_ratios, ratio_prefix
+from mechmon_megatron.monitors.update_window import UpdateWindow
 
 __all__ = ["OptimParam", "OptimSource", "OptimMonitor", "optim_key", "optim_holders",
            "SHARPNESS_SIGNALS"]
@@ -140,11 +141,9 @@ class OptimMonitor:
         self.sharp = SharpnessSchedule(config.sharpness,
                                        source.probe.lr if source.probe is not None else None,
                                        start=max(int(judged_from), int(config.warmup_steps)))
-        self.snapshot: list[torch.Tensor] | None = None
-        self.snapshot_step = -1
+        self.window = UpdateWindow(config.update_ratio, source.params, self.keys, self.holders)
         self._step = -1
         self.errors = 0
-        self._observed = self._skipped = 0
         self._warned: set[str] = set()
 
     # -- protocol ------------------------------------------------------------------------
@@ -184,11 +183,7 @@ class OptimMonitor:
         weights before the update (``window: step``, on this monitor's steps)."""
         self.sharp.begin(step)
         if self.config.update_ratio.enabled and self.config.update_ratio.window == "step":
-            self.snapshot = None
-            if self._ratios_due(step):
-                weights = self._weights()
-                if weights is not None:
-                    self.snapshot, self.snapshot_step = self._copy(weights), step - 1
+            self.window.begin(step, self._weights() if self._ratios_due(step) else None)
 
     def end_step(self, step: int) -> dict[str, float]:
         """Update ratios and, every ``sharpness.interval`` steps, the sharpness."""
@@ -199,10 +194,10 @@ class OptimMonitor:
         if self._ratios_due(step):
             weights = self._weights()
             try:
-                out.update(self._ratios(step, weights))
+                out.update(self.window.sums(step, weights))
             except Exception as exc:  # noqa: BLE001 - monitoring must not stop training
                 self._error("update ratio", exc)
-                out.update(self._void())
+                out.update(self.window.void())
         if self.estimator is not None and self.sharp.due(step, self._regular(step)):
             self.sharp.started(step)
             # Collective on every rank: the readiness vote, then the probe's products. A failed
@@ -232,19 +227,18 @@ class OptimMonitor:
     def coverage(self) -> dict[str, int]:
         """``found`` parameters, ``observed``/``skipped`` keys at the last step, ``errors``,
         ``memory_bytes`` (snapshot and warm-start vector)."""
-        memory = sum(t.numel() * t.element_size() for t in self.snapshot or [])
+        memory = self.window.memory_bytes()
         if self.estimator is not None:
             memory += self.estimator.memory_bytes()
-        return {"found": len(self.source.params), "observed": self._observed,
-                "skipped": self._skipped, "errors": self.errors, "memory_bytes": memory}
+        return {"found": len(self.source.params), "observed": self.window.observed,
+                "skipped": self.window.skipped, "errors": self.errors, "memory_bytes": memory}
 
     def state_dict(self) -> dict[str, Any]:
         """The ``interval``-window snapshot (CPU tensors, with the rank and world size that
         read it) and the sharpness warm start."""
-        keep = self.config.update_ratio.window == "interval" and self.snapshot is not None
+        snapshot, snapshot_step = self.window.state()
         return {"version": 1, "errors": self.errors,
-                "snapshot": [t.cpu() for t in self.snapshot] if keep else None,
-                "snapshot_step": self.snapshot_step,
+                "snapshot": snapshot, "snapshot_step": snapshot_step,
                 "reader": [comm.global_rank(), comm.world_size()],
                 "sharpness": self.estimator.state_dict() if self.estimator else None,
                 "sharpness_schedule": self.sharp.state_dict()}
@@ -255,8 +249,8 @@ class OptimMonitor:
         rank's state on every rank)."""
         self.errors = int(sd.get("errors", 0))
         same = list(sd.get("reader") or []) == [comm.global_rank(), comm.world_size()]
-        self.snapshot = sd.get("snapshot") if same else None
-        self.snapshot_step = int(sd.get("snapshot_step", -1)) if same else -1
+        self.window.restore(sd.get("snapshot") if same else None,
+                            int(sd.get("snapshot_step", -1)) if same else -1)
         if self.estimator is not None and sd.get("sharpness") is not None:
             self.estimator.load_state_dict(sd["sharpness"])
         self.sharp.load_state_dict(sd.get("sharpness_schedule") or {})
@@ -264,20 +258,11 @@ class OptimMonitor:
     def forget_rank_state(self) -> None:
         """Drop what belongs to this rank's parameter shards (the window snapshot, the
         sharpness warm start): after a resume under another layout they are other shards'."""
-        self.snapshot, self.snapshot_step = None, -1
+        self.window.restore(None, -1)
         if self.estimator is not None:
             self.estimator.vector = None
 
     # -- internals -----------------------------------------------------------------------
-
-    def _copy(self, weights: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        device = torch.device("cpu") if self.config.update_ratio.offload_snapshots else None
-        return [w.detach().to(device or w.device, torch.float32, copy=True) for w in weights]
-
-    def _void(self) -> dict[str, None]:
-        """This rank's update sums as void: NaN on every rank after the reduction."""
-        return {f"optim/{stat}/{key}": None for key in set(self.keys)
-                for stat in ("update_sq", "weight_sq")}
 
     def _weights(self) -> list[torch.Tensor] | None:
         """The local read (caught): None when it failed here (this rank then emits its sums as
@@ -287,23 +272,6 @@ class OptimMonitor:
         except Exception as exc:  # noqa: BLE001 - emitted as void
             self._error("read", exc)
             return None
-
-    def _ratios(self, step: int, current: list[torch.Tensor] | None
-                ) -> dict[str, float | None]:
-        if current is None:  # the read failed here: void (NaN on every rank), no snapshot
-            self.snapshot = None
-            return self._void()
-        before = self.snapshot
-        if self.config.update_ratio.window == "interval":
-            self.snapshot, self.snapshot_step = self._copy(current), step
-        else:
-            self.snapshot = None
-        if before is None or [t.shape for t in before] != [t.shape for t in current]:
-            return self._void()  # the other holders' parts alone would be a partial sum
-        out, finite = owned_sums(self.source.params, self.keys, self.holders, before, current)
-        mine = set(self.keys)
-        self._observed, self._skipped = finite, len(mine) - finite
-        return out
 
     def _error(self, where: str, exc: BaseException) -> None:
         self.errors += 1

@@ -11,6 +11,7 @@ per-layer mean/min/max over heads from a (reduced) table.
 
 from __future__ import annotations
 
+import array
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -23,7 +24,7 @@ from mechmon_megatron.math.spectra import METRICS, spectral_metrics
 from mechmon_megatron.monitors.qk_source import QKSource
 from mechmon_megatron.monitors.qk_stack import LayerStack, stack_layers
 
-__all__ = ["QKHeads", "STATS", "head_groups", "layer_stats"]
+__all__ = ["QKHeads", "HeadStats", "STATS", "head_groups", "layer_stats"]
 
 STATS = ("mean", "min", "max")
 _HEAD_RE = re.compile(r"^(attn/[^/]+/[^/]+/layer_\d+)/head_\d+$")
@@ -47,29 +48,70 @@ def layer_stats(table: Mapping[str, float],
     over the observed heads: NaN values (not observed) are skipped; any infinite value (observed,
     not finite) makes all three +inf; NaN when no head was observed. Pure: identical on every rank
     given the reduced table. ``groups``: :func:`head_groups` of the table's names, in its order
-    (computed once by a monitor; default: from the table).
+    (default: from the table); a monitor keeps a :class:`HeadStats` of them instead.
     """
-    if groups is None:
-        groups = head_groups(table)
-    out: dict[str, float] = {}
-    for prefix, names in groups.items():
-        try:
-            present = [table[n] for n in names]
-        except KeyError:
-            present = [table[n] for n in names if n in table]
-            if not present:
+    return HeadStats(head_groups(table) if groups is None else groups)(table)
+
+
+class HeadStats:
+    """:func:`layer_stats` over fixed :func:`head_groups`, one tensor pass per head count.
+
+    The ``P`` groups of ``H`` heads are read as one ``[P, H]`` float64 tensor; where a group's
+    sum is finite (every head observed and finite) ``mean = (((0 + v_0) + v_1) + ...) / H`` adds
+    the columns in the order Python's ``sum`` adds the list, so the values are bitwise those of
+    the per-group loop; the other groups (and any width with a missing name) take that loop.
+    """
+
+    def __init__(self, groups: Mapping[str, list[str]]) -> None:
+        widths: dict[int, list[str]] = {}
+        for prefix, names in groups.items():
+            widths.setdefault(len(names), []).append(prefix)
+        self.groups = dict(groups)
+        self.widths = [(prefixes, [n for p in prefixes for n in groups[p]],
+                        [p + s for p in prefixes for s in _STAT_SUFFIXES])
+                       for prefixes in widths.values()]
+
+    def __call__(self, table: Mapping[str, float]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for prefixes, names, keys in self.widths:
+            try:
+                flat = [table[n] for n in names]
+            except KeyError:
+                for prefix in prefixes:
+                    present = [table[n] for n in self.groups[prefix] if n in table]
+                    if present:
+                        out.update(zip(_stat_keys(prefix), _stats(present), strict=True))
                 continue
-        total = sum(present)
-        if math.isfinite(total):  # every head observed and finite
-            stats = (total / len(present), min(present), max(present))
-        else:
-            seen = [v for v in present if not math.isnan(v)]
-            if not seen or not all(math.isfinite(v) for v in seen):
-                stats = (math.inf,) * 3 if seen else (math.nan,) * 3
-            else:
-                stats = (sum(seen) / len(seen), min(seen), max(seen))
-        out[prefix + "/mean"], out[prefix + "/min"], out[prefix + "/max"] = stats
-    return out
+            heads = len(names) // len(prefixes)
+            values_PH = torch.frombuffer(array.array("d", flat), dtype=torch.float64).view(
+                len(prefixes), heads)
+            total_P = torch.zeros(len(prefixes), dtype=torch.float64)
+            for h in range(heads):
+                total_P = total_P + values_PH[:, h]
+            stats = torch.stack([total_P / heads, values_PH.amin(1), values_PH.amax(1)],
+                                dim=1).view(-1).tolist()
+            for p in (~torch.isfinite(total_P)).nonzero().view(-1).tolist():
+                stats[3 * p:3 * p + 3] = _stats(flat[p * heads:(p + 1) * heads])
+            out.update(zip(keys, stats, strict=True))
+        return out
+
+
+_STAT_SUFFIXES = tuple(f"/{stat}" for stat in STATS)
+
+
+def _stat_keys(prefix: str) -> list[str]:
+    return [prefix + s for s in _STAT_SUFFIXES]
+
+
+def _stats(present: list[float]) -> tuple[float, float, float]:
+    """``(mean, min, max)`` of one group's values (see :func:`layer_stats`)."""
+    total = sum(present)
+    if math.isfinite(total):  # every head observed and finite
+        return total / len(present), min(present), max(present)
+    seen = [v for v in present if not math.isnan(v)]
+    if not seen or not all(math.isfinite(v) for v in seen):
+        return (math.inf,) * 3 if seen else (math.nan,) * 3
+    return sum(seen) / len(seen), min(seen), max(seen)
 
 
 class QKHeads:

@@ -56,7 +56,13 @@ from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.qk_batch import QKBatch
 from mechmon_megatron.monitors.qk_checkpoint import QKCheckpoint
 from mechmon_megatron.monitors.qk_clip import clip_names
-from mechmon_megatron.monitors.qk_heads import STATS, QKHeads, head_groups, layer_stats
+from mechmon_megatron.monitors.qk_heads import (
+    STATS,
+    HeadStats,
+    QKHeads,
+    head_groups,
+    layer_stats,
+)
 from mechmon_megatron.monitors.qk_observe import QKObserve
 from mechmon_megatron.monitors.qk_sketch import LAYER_METRICS, LAYER_TERMS
 from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
@@ -156,7 +162,7 @@ class QKUpdateMonitor(QKCheckpoint, QKWindow, QKBatch, QKObserve, QKHeads):
                     w == 1.0 for w in self._groups[source.layer][1].tolist())
             self._mha[source.layer] = source.group_index.tolist() == list(
                 range(source.group_index.numel()))
-        self._head_groups: dict[str, list[str]] | None = None
+        self._head_stats: HeadStats | None = None
         self._key_cache: dict[tuple, Any] = {}  # signal names per layer and table layout
         self.errors = 0
         self._observed = 0
@@ -241,9 +247,9 @@ class QKUpdateMonitor(QKCheckpoint, QKWindow, QKBatch, QKObserve, QKHeads):
         """Per-layer mean/min/max over heads from the reduced table (see :func:`layer_stats`)."""
         if not self.config.per_head:
             return {}
-        if self._head_groups is None:
-            self._head_groups = head_groups(self.signal_names())
-        return layer_stats(table, self._head_groups)
+        if self._head_stats is None:
+            self._head_stats = HeadStats(head_groups(self.signal_names()))
+        return self._head_stats(table)
 
     def coverage(self) -> dict[str, int]:
         """``found`` / ``observed`` / ``skipped`` / ``errors`` (see the class docstring) and

@@ -14,14 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.math.routing import (
-    TOKEN_STATS,
-    WEIGHT_STATS,
-    RoutingSums,
-    merge_sums,
-    router_weight_stats,
-    routing_sums,
-)
+from mechmon_megatron.math.router_weights import WEIGHT_STATS, router_weight_stats
+from mechmon_megatron.math.routing import TOKEN_STATS, RoutingSums, merge_sums, routing_sums
 
 __all__ = ["BIAS_STAT", "RouterSource", "RoutingCapture", "router_signal_names", "weight_table"]
 
@@ -127,7 +121,7 @@ def router_signal_names(layers: Sequence[int], expert_bias: bool) -> list[str]:
 def weight_table(sources: Sequence[RouterSource], expert_bias: bool,
                  ) -> tuple[list[str], list[bool], torch.Tensor]:
     """``(keys, has bias, [L, K] table)``: the router-weight geometry of each source's ``W_R``
-    (``math.routing.router_weight_stats``) and, with ``expert_bias``, the norm of its expert
+    (``math.router_weights.router_weight_stats``) and, with ``expert_bias``, the norm of its expert
     bias (0 and ``has bias`` False for a router without one), on the weights' device.
 
     Routers of equal shape are stacked and measured together, at most ``_STACK_BYTES`` of

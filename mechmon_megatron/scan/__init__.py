@@ -9,7 +9,7 @@ failed) run::
     safe readers                       weights only: torch.load(weights_only=True), an allow-list
          |                             unpickler for the distributed-checkpoint metadata
     per pair (t0, t1), per layer:      Q/K rows by the live layouts -> the live QK monitor
-         |                             router rows -> routing.router_weight_stats
+         |                             router rows -> router_weights.router_weight_stats
          |                             every tensor -> update ratios per weight group
     replay(DetectorBank)               the shipped detectors, baseline from the first pairs
          |

@@ -17,7 +17,7 @@ Signals besides the QK monitor's (L global 1-based layer, g weight group,
 
 =======================================  ===========================================================
 ``router/weight_cosine/layer_L``,        router-weight geometry of ``W_R(t1)``
-``router/weight_cond_max/layer_L``,      (:func:`mechmon_megatron.math.routing.router_weight_stats`)
+``router/weight_cond_max/layer_L``,      (:mod:`mechmon_megatron.math.router_weights`)
 ``router/weight_cond_fro/layer_L``
 ``router/expert_bias_norm/layer_L``      ``|b|_2`` when the router has an expert bias
 ``optim/update_ratio_ckpt/<g>/layer_L``  ``|dW|_F / |W(t0)|_F`` over the group's tensors in layer L
@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.math.routing import WEIGHT_STATS, router_weight_stats
+from mechmon_megatron.math.router_weights import WEIGHT_STATS, router_weight_stats
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor
 from mechmon_megatron.monitors.router_capture import BIAS_STAT
 from mechmon_megatron.monitors.update_ratio import ratio_prefix

@@ -273,13 +273,8 @@ def moe(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.timeout(900)
 def test_moe_router_signals_equal_one_computation_over_both_ranks_tokens(moe):
-    from mechmon_megatron.math.routing import (
-        TOKEN_STATS,
-        WEIGHT_STATS,
-        router_weight_stats,
-        routing_stats,
-        routing_sums,
-    )
+    from mechmon_megatron.math.router_weights import WEIGHT_STATS, router_weight_stats
+    from mechmon_megatron.math.routing import TOKEN_STATS, routing_stats, routing_sums
 
     table = moe[0]["table"][2]
     names = sorted(moe[0]["seen"])

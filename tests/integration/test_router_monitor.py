@@ -15,13 +15,8 @@ import warnings
 import pytest
 import torch
 
-from mechmon_megatron.math.routing import (
-    TOKEN_STATS,
-    WEIGHT_STATS,
-    router_weight_stats,
-    routing_stats,
-    routing_sums,
-)
+from mechmon_megatron.math.router_weights import WEIGHT_STATS, router_weight_stats
+from mechmon_megatron.math.routing import TOKEN_STATS, routing_stats, routing_sums
 from mechmon_megatron.monitors.router import RouterMonitor
 from mechmon_megatron.monitors.router_capture import RouterSource, RoutingCapture
 from tests._dist import run_distributed

@@ -67,7 +67,7 @@ def test_a_failed_read_voids_that_steps_sums():
     assert seen[2]["optim/update_sq/qkv/layer_1"] == pytest.approx(0.25 * 12)
     assert seen[2]["optim/weight_sq/qkv/layer_1"] == pytest.approx(12)
     assert seen[4]["optim/update_sq/qkv/layer_1"] is None
-    assert seen[6]["optim/update_sq/qkv/layer_1"] is None and mon.snapshot is None
+    assert seen[6]["optim/update_sq/qkv/layer_1"] is None and mon.window.snapshot is None
     assert mon.errors == 2
 
 
@@ -88,10 +88,10 @@ def test_the_interval_window_snapshot_is_restored_only_on_the_rank_that_read_it(
     state = mon.state_dict()
     again = OptimMonitor(config, source, {"qkv/layer_1": 1})
     again.load_state_dict(state)
-    assert again.snapshot_step == 2 and torch.equal(again.snapshot[0], torch.ones(3))
+    assert again.window.snapshot_step == 2 and torch.equal(again.window.snapshot[0], torch.ones(3))
     other = OptimMonitor(config, source, {"qkv/layer_1": 1})
     other.load_state_dict(dict(state, reader=[1, 2]))
-    assert other.snapshot is None and other.snapshot_step == -1
+    assert other.window.snapshot is None and other.window.snapshot_step == -1
 
 
 @pytest.mark.parametrize("window", ["step", "interval"])

@@ -13,6 +13,7 @@ import torch
 from mechmon_megatron.math.qk_grams import qk_grams, qk_spectra
 from mechmon_megatron.math.spectra import spectral_metrics
 from mechmon_megatron.monitors.base import Monitor
+from mechmon_megatron.monitors.qk_heads import HeadStats, head_groups
 from mechmon_megatron.monitors.qk_update import QKSource, QKUpdateMonitor, layer_stats
 
 HEADS, GROUPS, D_HEAD, D_MODEL = 4, 2, 8, 64
@@ -115,6 +116,51 @@ def test_layer_stats_skip_unobserved_heads_and_propagate_non_finite_ones():
     assert math.isnan(stats["attn/dwq/fro/layer_2/mean"])
     assert stats["attn/dwk/fro/layer_2/min"] == math.inf
     assert len(stats) == 9
+
+
+def _layer_stats_per_group(table, groups):
+    """The per-group loop :class:`HeadStats` vectorises (Python's ``sum``, ``min``, ``max``)."""
+    out = {}
+    for prefix, names in groups.items():
+        present = [table[n] for n in names if n in table]
+        if not present:
+            continue
+        total = sum(present)
+        if math.isfinite(total):
+            stats = (total / len(present), min(present), max(present))
+        else:
+            seen = [v for v in present if not math.isnan(v)]
+            if not seen or not all(math.isfinite(v) for v in seen):
+                stats = (math.inf,) * 3 if seen else (math.nan,) * 3
+            else:
+                stats = (sum(seen) / len(seen), min(seen), max(seen))
+        out.update(zip([prefix + "/mean", prefix + "/min", prefix + "/max"], stats, strict=True))
+    return out
+
+
+def test_head_stats_are_bitwise_the_per_group_loop_for_every_kind_of_group():
+    gen = torch.Generator().manual_seed(5)
+    table = {}
+    for layer, heads in ((1, 4), (2, 4), (3, 3), (4, 4)):  # layer 3: another head count
+        for metric in ("fro", "entropy", "stable_rank"):
+            values = (torch.rand(heads, generator=gen, dtype=torch.float64) * 10 ** layer)
+            table.update({f"attn/delta2/{metric}/layer_{layer}/head_{h}": v
+                          for h, v in enumerate(values.tolist())})
+    table["attn/delta2/fro/layer_2/head_1"] = math.nan  # one head not observed
+    table["attn/delta2/entropy/layer_2/head_3"] = math.inf  # observed, not finite
+    table.update(dict.fromkeys((f"attn/delta2/stable_rank/layer_4/head_{h}" for h in range(4)),
+                               math.nan))  # no head observed
+    groups = head_groups(table)
+    expected = _layer_stats_per_group(table, groups)
+    got = HeadStats(groups)(table)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert got[key] == value or (math.isnan(got[key]) and math.isnan(value)), key
+    del table["attn/delta2/fro/layer_1/head_2"]  # a missing name: that width takes the loop
+    expected = _layer_stats_per_group(table, groups)
+    got = HeadStats(groups)(table)
+    assert got.keys() == expected.keys()
+    assert all(got[k] == v or (math.isnan(got[k]) and math.isnan(v)) for k, v in expected.items())
 
 
 def test_layer_sketch_matches_exact_svd_of_the_formed_layer_operator():

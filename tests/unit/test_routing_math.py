@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from mechmon_megatron.math.router_weights import router_weight_stats
 from mechmon_megatron.math.routing import (
     TOKEN_STATS,
     RoutingSums,
@@ -15,7 +16,6 @@ from mechmon_megatron.math.routing import (
     histogram_quantiles,
     merge_sums,
     num_slots,
-    router_weight_stats,
     routing_stats,
     routing_sums,
     token_distribution,

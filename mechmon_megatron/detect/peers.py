@@ -23,15 +23,15 @@ table.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
-import statistics
 from collections.abc import Iterable, Mapping
 
 from mechmon_megatron.config import BaselineConfig
 from mechmon_megatron.detect.baseline import Baseline
 
-__all__ = ["PeerGroups", "PackBaseline", "LAYER", "FLOOR"]
+__all__ = ["PeerGroups", "PackBaseline", "LAYER", "FLOOR", "median_without"]
 
 LAYER = re.compile(r"layer_\d+")
 """The layer component of a signal name."""
@@ -57,18 +57,30 @@ class PeerGroups:
         return any(name in members for members in self.groups.values())
 
     def transform(self, table: Mapping[str, float]) -> dict[str, float]:
-        """Peer log-ratios of every grouped name present in ``table``."""
+        """Peer log-ratios of every grouped name present in ``table``: one sort per group, each
+        layer's median of the others read off it (:func:`median_without`)."""
         out: dict[str, float] = {}
         for members in self.groups.values():
             values = {n: float(table[n]) for n in members if n in table}
+            finite = sorted(u for u in values.values() if math.isfinite(u))
             for n, v in values.items():
-                others = [u for m, u in values.items() if m != n and math.isfinite(u)]
-                if not math.isfinite(v) or not others:
+                if not math.isfinite(v) or len(finite) < 2:
                     out[n] = v if not math.isfinite(v) else math.nan
                     continue
-                center = statistics.median(others)
+                center = median_without(finite, bisect.bisect_left(finite, v))
                 out[n] = math.log(max(v, FLOOR) / max(center, FLOOR))
         return out
+
+
+def median_without(ordered: list[float], i: int) -> float:
+    """``statistics.median`` of sorted ``ordered`` without its item ``i``, in O(1), bitwise:
+    the others' middle item, or the mean of their two middle items, by index."""
+    k = len(ordered) - 1
+
+    def other(j: int) -> float:
+        return ordered[j] if j < i else ordered[j + 1]
+
+    return other(k // 2) if k % 2 else (other(k // 2 - 1) + other(k // 2)) / 2
 
 
 class PackBaseline(Baseline):

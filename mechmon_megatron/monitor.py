@@ -132,7 +132,7 @@ class MechMon(StateMixin, CoverageMixin):
             family_of(name)
         self.names = sorted(names)
         self._known = frozenset(self.names)
-        self.intervals = [int(getattr(m, "interval", 1)) for m in self.monitors]
+        self.intervals = [int(m.interval) for m in self.monitors]
         if any(i < 1 for i in self.intervals):
             raise ValueError(f"mechmon: monitor intervals must be >= 1, got {self.intervals}")
         self.framework = actions if actions is not None else ProcessExit()
@@ -170,10 +170,7 @@ class MechMon(StateMixin, CoverageMixin):
         """Whether monitor ``index`` is due at ``step``: its ``due`` or its interval, or, on a
         ``look``, whether it takes looks."""
         monitor = self.monitors[index]
-        if look:
-            return bool(getattr(monitor, "looks", False))
-        due = getattr(monitor, "due", None)
-        return bool(due(step)) if due is not None else step % self.intervals[index] == 0
+        return bool(monitor.looks) if look else bool(monitor.due(step))
 
     @property
     def strict(self) -> bool:
@@ -268,9 +265,7 @@ class MechMon(StateMixin, CoverageMixin):
     def close(self) -> None:
         """Detach the monitors' hooks (those that install any) and close the sinks."""
         for monitor in self.monitors:
-            close = getattr(monitor, "close", None)
-            if close is not None:
-                close()
+            monitor.close()
         for sink in self.sinks:
             sink.close()
 
@@ -279,12 +274,10 @@ class MechMon(StateMixin, CoverageMixin):
         live on different TP ranks); pure, so identical on every rank."""
         out: dict[str, float] = {}
         for monitor in self.monitors:
-            derive = getattr(monitor, "derive", None)
-            if derive is not None:
-                try:
-                    out.update({k: v for k, v in derive(table).items() if k in table})
-                except Exception as exc:  # noqa: BLE001
-                    self._error(f"{monitor.family}.derive", exc)
+            try:
+                out.update({k: v for k, v in monitor.derive(table).items() if k in table})
+            except Exception as exc:  # noqa: BLE001
+                self._error(f"{monitor.family}.derive", exc)
         return out
 
     def _schedule_from(self, step: int, table: Mapping[str, float]) -> None:
@@ -292,12 +285,10 @@ class MechMon(StateMixin, CoverageMixin):
         caught: a rank whose schedule failed would take other steps than its peers, so it is
         raised as :class:`MonitorProtocolError` before any of them."""
         for monitor in self.monitors:
-            schedule = getattr(monitor, "schedule", None)
-            if schedule is not None:
-                try:
-                    schedule(step, table)
-                except Exception as exc:
-                    self._escaped(f"{monitor.family}.schedule", step, exc)
+            try:
+                monitor.schedule(step, table)
+            except Exception as exc:
+                self._escaped(f"{monitor.family}.schedule", step, exc)
 
     def _detect(self, step: int, table: Mapping[str, float],
                 look: bool) -> tuple[list[Any], Any | None]:

@@ -41,7 +41,7 @@ def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str
     if state is None or "monitors" not in state or len(state["monitors"]) == len(monitors):
         return state
     saved = [m for m in state["monitors"] if m != {}]
-    stateless = [bool(getattr(m, "stateless", False)) for m in monitors]
+    stateless = [bool(m.stateless) for m in monitors]
     if stateless.count(False) != len(saved):
         return state
     kept = iter(saved)
@@ -122,7 +122,7 @@ class StateMixin:
         """
         monitors, failed = [], None
         for m in self.monitors:
-            if full and hasattr(m, "full_state_dict"):
+            if full and m.row_shards:
                 monitors.append(m.full_state_dict(rebuild_at))  # collective; guarded locally
                 continue
             try:
@@ -161,7 +161,7 @@ class StateMixin:
         common = self.state_dict()
         shards: dict[str, Any] = {}
         for i, monitor in enumerate(self.monitors):
-            if hasattr(monitor, "sharded_state"):
+            if monitor.row_shards:
                 meta, rows = monitor.sharded_state(rebuild_at)  # collective, on every rank
                 shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
                 if "void" not in common:
@@ -200,7 +200,7 @@ class StateMixin:
             needs = ok and any(m.get("sharded") for m in common["monitors"])
             for i, monitor in enumerate(self.monitors if ok else []):
                 meta = common["monitors"][i].get("sharded")
-                if meta is not None and hasattr(monitor, "sharded_template"):
+                if meta is not None:
                     rows = monitor.sharded_template(meta)
                     templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
         except Exception as exc:  # noqa: BLE001 - voted below; the load still runs
@@ -217,7 +217,7 @@ class StateMixin:
                 self.load_state_dict(common)
                 for i, monitor in enumerate(self.monitors):
                     meta = common["monitors"][i].get("sharded")
-                    if meta is not None and hasattr(monitor, "load_sharded"):
+                    if meta is not None:
                         prefix = f"mechmon.{i}."
                         monitor.load_sharded(meta, {k[len(prefix):]: v for k, v in
                                                     loaded.items() if k.startswith(prefix)})
@@ -227,11 +227,10 @@ class StateMixin:
         if not self._agree_loaded(ok, failure, fresh, source):
             return False
         for monitor in self.monitors if resharded else []:
-            if hasattr(monitor, "forget_rank_state"):
-                monitor.forget_rank_state()
+            monitor.forget_rank_state()
         for i, monitor in enumerate(self.monitors):  # collective reads, on every rank
             meta = common["monitors"][i].get("sharded")
-            if meta is not None and hasattr(monitor, "rebuild_snapshots"):
+            if meta is not None:
                 monitor.rebuild_snapshots(meta)
         return True
 
@@ -300,8 +299,7 @@ class StateMixin:
         if not self._agree_loaded(ok, failure, fresh, source):
             return False
         for monitor, saved in zip(self.monitors, state["monitors"], strict=True):
-            if hasattr(monitor, "rebuild_snapshots"):  # collective reads, on every rank
-                monitor.rebuild_snapshots(saved.get("snapshots", {}))
+            monitor.rebuild_snapshots(saved.get("snapshots", {}))  # collective reads
         return True
 
     def _agree_loaded(self, ok: bool, failure: str | None, fresh: Mapping[str, Any],

@@ -179,7 +179,7 @@ class MechMonCallback:
         framework = BridgeFramework(self, context)
         assembly = assemble(self.config, framework)
         self.config, self.mon = assembly.config, assembly.mon
-        if any(getattr(m, "estimator", None) is not None for m in self.mon.monitors):
+        if any(m.estimator is not None for m in self.mon.monitors):
             self.batch.install(list(context.model)[0])
         cfg = state.cfg
         self._sync_params = needs_param_sync(

@@ -84,6 +84,7 @@ class Monitor(ABC):
 
     def arm_look(self, step: int) -> None:
         """``step`` is a look (called only when :attr:`looks`); default: nothing."""
+        return None
 
     def derive(self, table: Mapping[str, float]) -> dict[str, float]:
         """Signals computed from the reduced ``table`` (e.g. per-layer statistics over heads
@@ -93,13 +94,16 @@ class Monitor(ABC):
     def schedule(self, step: int, table: Mapping[str, float]) -> None:
         """Let the reduced ``table`` of ``step`` move this monitor's later steps (identical on
         every rank, like the table); default: nothing."""
+        return None
 
     def close(self) -> None:
         """Remove what the monitor installed (hooks); default: nothing."""
+        return None
 
     def forget_rank_state(self) -> None:
         """Drop what belongs to the saved rank's shards after a resume under another layout (the
         loaded common state is one rank's); default: nothing."""
+        return None
 
     def full_state_dict(self, rebuild_at: int | None = None) -> dict[str, Any]:
         """:meth:`state_dict` with every DP replica's part gathered (collective; called on
@@ -122,10 +126,12 @@ class Monitor(ABC):
                      loaded: Mapping[str, Any]) -> None:
         """Restore from the filled :meth:`sharded_template` (after :meth:`load_state_dict`);
         default: nothing."""
+        return None
 
     def rebuild_snapshots(self, meta: Mapping[int, Mapping[str, Any]]) -> None:
         """Read again the snapshots ``meta`` marks ``rebuild`` from the loaded weights (collective
         reads, on every rank); default: nothing."""
+        return None
 
 
 class RowShards:

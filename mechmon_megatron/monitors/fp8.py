@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.layouts.te_fp8 import FP8Module, read_fp8_state
 from mechmon_megatron.config.monitors import FP8Config
+from mechmon_megatron.layouts.te_fp8 import FP8Module, read_fp8_state
 from mechmon_megatron.monitors.base import Monitor, armed_step
 
 __all__ = ["FP8Monitor", "fp8_signal_names", "STATS"]

@@ -100,16 +100,6 @@ class BatchCache:
             self.reducible = scalar_loss(output) is not None
 
 
-def _flat_reduce(grads: list[torch.Tensor], group: comm.Group, scale: float) -> None:
-    if not grads:
-        return
-    flat = comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group) * scale
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def _group_index(engine: Any) -> dict[int, int]:
     """``{id(model param): index of its optimizer param group}``."""
     opt = engine.optimizer
@@ -308,11 +298,13 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
 
     def reduce(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         # Same order on every rank: dense, then expert groups by sorted name.
-        _flat_reduce([g for d, g in zip(dense, grads, strict=True) if d], dp_group, 1.0 / dp)
+        comm.all_reduce_into([g for d, g in zip(dense, grads, strict=True) if d], dp_group,
+                             1.0 / dp, always=True)
         for name in experts:
-            _flat_reduce([g for p, d, g in zip(params, dense, grads, strict=True)
-                          if not d and p.group_name == name],
-                         groups._get_expert_data_parallel_group(name), 1.0 / dp)
+            comm.all_reduce_into([g for p, d, g in zip(params, dense, grads, strict=True)
+                                  if not d and p.group_name == name],
+                                 groups._get_expert_data_parallel_group(name), 1.0 / dp,
+                                 always=True)
         return grads
 
     # No model parallelism here (the integration refuses TP > 1): the forward is collective

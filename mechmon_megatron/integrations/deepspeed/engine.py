@@ -75,7 +75,7 @@ from mechmon_megatron.integrations.deepspeed.monitors import (
     engine_config,
     warmup_steps,
 )
-from mechmon_megatron.integrations.deepspeed.optim import BatchCache
+from mechmon_megatron.integrations.deepspeed.probe_batch import BatchCache
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import Sink, build_sinks
 

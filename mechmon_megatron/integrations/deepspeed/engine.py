@@ -56,7 +56,6 @@ family skips them with a warning. The config block and the monitors:
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -79,7 +78,6 @@ from mechmon_megatron.sinks import Sink
 
 __all__ = ["CONFIG_KEY", "DeepSpeedMechMon", "attach", "build_monitors", "engine_config"]
 
-logger = logging.getLogger(__name__)
 
 
 class DeepSpeedMechMon:

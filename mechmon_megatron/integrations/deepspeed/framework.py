@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DeepSpeedActions", "DeepSpeedFramework"]
 
-logger = logging.getLogger("mechmon_megatron.integrations.deepspeed.engine")  # the hooks' logger
+logger = logging.getLogger("mechmon_megatron.integrations.deepspeed.engine")
 
 
 class DeepSpeedActions:

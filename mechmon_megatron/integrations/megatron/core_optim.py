@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32, low_precision_reason
+from mechmon_megatron.layouts.megatron_fp32 import fp32_sum_group, local_fp32, low_precision_reason
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
 from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders

@@ -28,8 +28,7 @@ step on every rank, after the consensus. The only other way out of ``end_step`` 
 ``checkpoint_and_exit`` action.
 
 An alarm latches: afterwards detectors keep producing findings (logged), but no new alarm is
-raised until a resumed job acknowledges it (:meth:`MechMon.check_resume`, workflow in
-``alarm.py``).
+raised until a resumed job acknowledges it (``check_resume``: monitor_resume.py, alarm.py).
 
 Coverage (each monitored step, in every sink record), per monitor family, over ranks:
 ``found``, ``observed``, ``skipped``, ``errors``, ``memory_bytes`` (max over ranks of the
@@ -56,6 +55,7 @@ from mechmon_megatron.monitor_coverage import CoverageMixin, check_same_on_every
 from mechmon_megatron.monitor_resume import ResumeMixin
 from mechmon_megatron.monitor_schedule import ScheduleMixin
 from mechmon_megatron.monitor_state import StateMixin
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.signals import family_of, reduce_signals
 from mechmon_megatron.sinks import Sink, StepRecord, build_sinks
 from mechmon_megatron.verdict import Detectors, MonitorError, MonitorProtocolError, Verdict
@@ -80,7 +80,7 @@ class MechMon(ScheduleMixin, ResumeMixin, StateMixin, CoverageMixin):
     def __init__(self, config: Any) -> None:
         self.config = config
         self.config_hash = config_hash(config)
-        self.monitors: list[Any] = []
+        self.monitors: list[Monitor] = []
         self.names: list[str] = []
         self._known: frozenset[str] = frozenset()
         self.intervals: list[int] = []
@@ -105,7 +105,7 @@ class MechMon(ScheduleMixin, ResumeMixin, StateMixin, CoverageMixin):
 
     def attach(
         self,
-        monitors: Sequence[Any],
+        monitors: Sequence[Monitor],
         actions: FrameworkActions | None = None,
         sinks: Sequence[Sink] | None = None,
         world_group: comm.Group = None,
@@ -115,7 +115,7 @@ class MechMon(ScheduleMixin, ResumeMixin, StateMixin, CoverageMixin):
         """Wire monitors, detectors, actions and sinks; call once on every rank.
 
         Args:
-            monitors: objects following the Monitor protocol (``monitors/base.py``); the same
+            monitors: :class:`~mechmon_megatron.monitors.base.Monitor` subclasses; the same
                 kinds, in the same order, on every rank.
             actions: how the framework saves and exits; default :class:`ProcessExit`.
             sinks: sinks for the logging rank; default built from ``config.sinks``.

@@ -30,11 +30,10 @@ step on every rank, after the consensus. The only other way out of ``end_step`` 
 An alarm latches: afterwards detectors keep producing findings (logged), but no new alarm is
 raised until a resumed job acknowledges it (``check_resume``: monitor_resume.py, alarm.py).
 
-Coverage (each monitored step, in every sink record), per monitor family, over ranks:
-``found``, ``observed``, ``skipped``, ``errors``, ``memory_bytes`` (max over ranks of the
-per-rank values; ``memory_bytes`` is what a monitor keeps between steps, e.g. QK snapshots) and
-``observed_min`` (min over ranks: 0 shows a rank whose monitor read nothing); family ``mechmon``
-counts the orchestrator's own caught errors.
+Coverage (each monitored step, in every sink record; monitor_coverage.py), per monitor family:
+``found``, ``observed``, ``skipped``, ``errors``, ``memory_bytes`` (max over ranks; what a
+monitor keeps between steps, e.g. QK snapshots) and ``observed_min`` (min over ranks: 0 shows a
+rank whose monitor read nothing); family ``mechmon`` counts the orchestrator's caught errors.
 """
 
 from __future__ import annotations

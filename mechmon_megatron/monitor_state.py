@@ -16,6 +16,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.alarm import Alarm
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.plain_state import StateFileError
 
 __all__ = ["StateMixin"]
@@ -23,7 +24,8 @@ __all__ = ["StateMixin"]
 logger = logging.getLogger("mechmon_megatron.monitor")
 
 
-def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str, Any] | None:
+def aligned(state: Mapping[str, Any] | None,
+            monitors: list[Monitor]) -> Mapping[str, Any] | None:
     """``state`` with its per-monitor list matched to ``monitors`` across stateless monitors.
 
     Monitor states are saved in attach order. A monitor that keeps nothing between steps
@@ -44,7 +46,7 @@ def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str
 
 
 class StateMixin:
-    """State and resume methods of :class:`~mechmon_megatron.monitor.MechMon`."""
+    """State methods of :class:`~mechmon_megatron.monitor.MechMon`."""
 
     def state_dict(self, full: bool = False, rebuild_at: int | None = None) -> dict[str, Any]:
         """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able).
@@ -90,7 +92,7 @@ class StateMixin:
         may change the parallel layout; collective over the world.
 
         The common state is :meth:`state_dict` with the snapshots of monitors that keep them as
-        rows of global tensors (``sharded_state()``: the QK monitor) replaced by their metadata;
+        rows of global tensors (``row_shards``: the QK monitor) replaced by their metadata;
         the row shards (``monitors.qk_state.RowShard``) are keyed ``mechmon.<monitor>.<key>``.
         ``rebuild_at``: the checkpoint's step, where the framework saves the weights the
         monitors read (fp32 parameters): snapshots of that step are read again on load instead

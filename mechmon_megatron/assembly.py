@@ -155,8 +155,8 @@ def describe(mon: Any) -> dict[str, Any]:
     return {
         "schedule": {"start_step": det.start_step,
                      "family_start": {f: det.family_start(f) for f in det.families()}},
-        "monitors": [(m.family, int(getattr(m, "interval", 1))) for m in mon.monitors],
-        "sharpness_probe": any(getattr(m, "estimator", None) is not None for m in mon.monitors),
+        "monitors": [(m.family, int(m.interval)) for m in mon.monitors],
+        "sharpness_probe": any(m.estimator is not None for m in mon.monitors),
         "signals": list(mon.names),
         "watched": list(getattr(bank, "signals", [])),
         "thresholds": threshold_table(bank) if hasattr(bank, "channels") else {},

@@ -37,6 +37,7 @@ __all__ = [
     "device_for_group",
     "all_reduce_sum",
     "all_reduce_max",
+    "all_reduce_into",
     "reduce_sum",
     "all_gather_cat",
     "all_gather_object",
@@ -123,6 +124,21 @@ def all_reduce_sum(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
 def all_reduce_max(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Out-of-place MAX all-reduce; the input is never modified."""
     return _reduce(tensor, dist.ReduceOp.MAX if is_distributed() else None, group)
+
+
+def all_reduce_into(tensors: list[torch.Tensor], group: Group, scale: float,
+                    always: bool = False) -> None:
+    """In place ``t <- scale * sum over the group of t`` for every tensor of ``tensors``, as one
+    flat SUM all-reduce (rule 2). Skipped when ``tensors`` is empty or, unless ``always`` (a
+    ``scale`` that must apply even then, e.g. 1/DP on a one-member expert group), when the
+    group has a single member."""
+    if not tensors or (world_size(group) == 1 and not always):
+        return
+    flat = all_reduce_sum(torch.cat([t.reshape(-1) for t in tensors]), group) * scale
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def reduce_sum(tensor: torch.Tensor, dst: int, group: Group = None) -> torch.Tensor:

@@ -14,16 +14,17 @@ rank saw the same flag. The record built from it is :class:`~mechmon_megatron.al
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.alarm import Alarm, alarm_id
 from mechmon_megatron.jsonable import jsonable
 
-__all__ = ["Consensus", "consensus", "share_diagnosis"]
+__all__ = ["Consensus", "consensus", "share_diagnosis", "agreed_alarm"]
 
 _NONE = -(2**62)
 
@@ -100,3 +101,27 @@ def share_diagnosis(
                          for e in jsonable(list(getattr(diagnosis, "evidence", []) or []))],
         }
     return comm.broadcast_object(local, src=agreed.source_rank, group=group)
+
+
+def agreed_alarm(shared: Mapping[str, Any], agreed: Consensus, cfg_hash: str, actions: Any,
+                 checkpoints: Sequence[tuple[int, str]]) -> Alarm:
+    """The alarm record of the :func:`share_diagnosis` output ``shared`` (identical on every
+    rank): ``actions`` gives its exit code and action, the last of ``checkpoints`` (``(step,
+    path)``, sorted) saved before the onset is the checkpoint to resume from."""
+    fault = shared["fault_class"]
+    before = [c for c in checkpoints if c[0] < agreed.onset_step]
+    return Alarm(
+        alarm_id=alarm_id(fault, agreed.alarm_step, cfg_hash),
+        fault_class=fault,
+        families=list(shared["families"]),
+        first_family=shared["first_family"],
+        onset_step=agreed.onset_step,
+        alarm_step=agreed.alarm_step,
+        evidence=list(shared["evidence"]),
+        config_hash=cfg_hash,
+        exit_code=int(actions.exit_code),
+        action=str(actions.on_alarm),
+        description=shared["description"],
+        checkpoint_before_onset={"step": before[-1][0], "path": before[-1][1]} if before
+        else None,
+    )

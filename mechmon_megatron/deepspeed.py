@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from mechmon_megatron.integrations.deepspeed.engine import (
     CONFIG_KEY,
-    DeepSpeedActions,
     DeepSpeedMechMon,
     attach,
     build_monitors,
     engine_config,
 )
+from mechmon_megatron.integrations.deepspeed.framework import DeepSpeedActions
 
 __all__ = ["CONFIG_KEY", "DeepSpeedActions", "DeepSpeedMechMon", "attach", "build_monitors",
            "engine_config"]

@@ -10,15 +10,15 @@ Usage (every rank, same order)::
         verdict = mon.end_step(step, loss=loss, grad_norm=grad_norm)
 
 Each monitor keeps its own schedule: a step is *monitored* when it is a step of some monitor
-(``monitor.due(step)`` where a monitor defines it, from values every rank holds alike, e.g. the
-optimizer monitor's LR-triggered sharpness; else ``step % monitor.interval == 0``), the same on
-every rank; a monitor that is not due returns nothing and does no work, and an unmonitored step
-makes no collective and no host sync. On a
-monitored step every rank makes exactly these collectives, whatever it observed: the due
-monitors' own (their local phases cannot fail past them: ``comm`` rule 5), one SUM all-reduce
-(:func:`signals.reduce_signals`), one MAX all-reduce (:func:`consensus.consensus`, which also
-carries the coverage counters) and, only when the consensus says alarm (then on every rank), one
-broadcast of the diagnosis plus the action's barriers. Monitors catch and count what fails in
+(``monitor.due(step)``: ``step % monitor.interval == 0`` unless a monitor adds steps from values
+every rank holds alike, e.g. the optimizer monitor's LR-triggered sharpness; monitor_schedule.py),
+the same on every rank; a monitor that is not due returns nothing and does no work, and an
+unmonitored step makes no collective and no host sync. On a monitored step every rank makes
+exactly these collectives, whatever it observed: the due monitors' own (their local phases
+cannot fail past them: ``comm`` rule 5), one SUM all-reduce (:func:`signals.reduce_signals`),
+one MAX all-reduce (:func:`consensus.consensus`, which also carries the coverage counters) and,
+only when the consensus says alarm (then on every rank), one broadcast of the diagnosis plus the
+action's barriers. Monitors catch and count what fails in
 their local phases (the affected signals are NaN on every rank). An exception that still escapes
 a monitor came from between its collectives (a collective that failed, or a framework read that
 failed on one rank): this rank may no longer be in step with its peers, so it is raised as
@@ -28,14 +28,12 @@ step on every rank, after the consensus. The only other way out of ``end_step`` 
 ``checkpoint_and_exit`` action.
 
 An alarm latches: afterwards detectors keep producing findings (logged), but no new alarm is
-raised until a resumed job acknowledges it (:meth:`MechMon.check_resume`, workflow in
-``alarm.py``).
+raised until a resumed job acknowledges it (``check_resume``: monitor_resume.py, alarm.py).
 
-Coverage (each monitored step, in every sink record), per monitor family, over ranks:
-``found``, ``observed``, ``skipped``, ``errors``, ``memory_bytes`` (max over ranks of the
-per-rank values; ``memory_bytes`` is what a monitor keeps between steps, e.g. QK snapshots) and
-``observed_min`` (min over ranks: 0 shows a rank whose monitor read nothing); family ``mechmon``
-counts the orchestrator's own caught errors.
+Coverage (each monitored step, in every sink record; monitor_coverage.py), per monitor family:
+``found``, ``observed``, ``skipped``, ``errors``, ``memory_bytes`` (max over ranks; what a
+monitor keeps between steps, e.g. QK snapshots) and ``observed_min`` (min over ranks: 0 shows a
+rank whose monitor read nothing); family ``mechmon`` counts the orchestrator's caught errors.
 """
 
 from __future__ import annotations
@@ -49,11 +47,14 @@ from typing import Any
 
 from mechmon_megatron import comm
 from mechmon_megatron.actions import FrameworkActions, ProcessExit, raise_alarm
-from mechmon_megatron.alarm import Alarm, alarm_id, config_hash
-from mechmon_megatron.consensus import Consensus, consensus, share_diagnosis
+from mechmon_megatron.alarm import Alarm, config_hash
+from mechmon_megatron.consensus import agreed_alarm, consensus, share_diagnosis
 from mechmon_megatron.jsonable import jsonable
 from mechmon_megatron.monitor_coverage import CoverageMixin, check_same_on_every_rank
+from mechmon_megatron.monitor_resume import ResumeMixin
+from mechmon_megatron.monitor_schedule import ScheduleMixin
 from mechmon_megatron.monitor_state import StateMixin
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.signals import family_of, reduce_signals
 from mechmon_megatron.sinks import Sink, StepRecord, build_sinks
 from mechmon_megatron.verdict import Detectors, MonitorError, MonitorProtocolError, Verdict
@@ -67,7 +68,7 @@ GLOBAL_SIGNALS = ("global/grad_norm", "global/loss")
 """Signals the orchestrator adds from ``end_step(loss=..., grad_norm=...)``."""
 
 
-class MechMon(StateMixin, CoverageMixin):
+class MechMon(ScheduleMixin, ResumeMixin, StateMixin, CoverageMixin):
     """Runs the monitors and acts on their signals; one instance per rank.
 
     Args:
@@ -78,7 +79,7 @@ class MechMon(StateMixin, CoverageMixin):
     def __init__(self, config: Any) -> None:
         self.config = config
         self.config_hash = config_hash(config)
-        self.monitors: list[Any] = []
+        self.monitors: list[Monitor] = []
         self.names: list[str] = []
         self._known: frozenset[str] = frozenset()
         self.intervals: list[int] = []
@@ -103,7 +104,7 @@ class MechMon(StateMixin, CoverageMixin):
 
     def attach(
         self,
-        monitors: Sequence[Any],
+        monitors: Sequence[Monitor],
         actions: FrameworkActions | None = None,
         sinks: Sequence[Sink] | None = None,
         world_group: comm.Group = None,
@@ -113,7 +114,7 @@ class MechMon(StateMixin, CoverageMixin):
         """Wire monitors, detectors, actions and sinks; call once on every rank.
 
         Args:
-            monitors: objects following the Monitor protocol (``monitors/base.py``); the same
+            monitors: :class:`~mechmon_megatron.monitors.base.Monitor` subclasses; the same
                 kinds, in the same order, on every rank.
             actions: how the framework saves and exits; default :class:`ProcessExit`.
             sinks: sinks for the logging rank; default built from ``config.sinks``.
@@ -132,7 +133,7 @@ class MechMon(StateMixin, CoverageMixin):
             family_of(name)
         self.names = sorted(names)
         self._known = frozenset(self.names)
-        self.intervals = [int(getattr(m, "interval", 1)) for m in self.monitors]
+        self.intervals = [int(m.interval) for m in self.monitors]
         if any(i < 1 for i in self.intervals):
             raise ValueError(f"mechmon: monitor intervals must be >= 1, got {self.intervals}")
         self.framework = actions if actions is not None else ProcessExit()
@@ -151,29 +152,6 @@ class MechMon(StateMixin, CoverageMixin):
             state, self._pending_state = self._pending_state, None
             self.load_state_dict(state)
         return self
-
-    def is_monitored(self, step: int) -> bool:
-        """Whether ``step`` is a step of some monitor or a look (same answer on every rank;
-        with no monitor attached, every step is monitored: the loss and grad norm rules run)."""
-        return self._regular(step) or self._looking(step)
-
-    def _regular(self, step: int) -> bool:
-        """Whether ``step`` is a regular step of some monitor."""
-        return not self.intervals or any(self._monitor_due(i, step)
-                                         for i in range(len(self.monitors)))
-
-    def _looking(self, step: int) -> bool:
-        """Whether ``step`` is a look (agreed, and no monitor's regular step)."""
-        return step in self.looks and not self._regular(step)
-
-    def _monitor_due(self, index: int, step: int, look: bool = False) -> bool:
-        """Whether monitor ``index`` is due at ``step``: its ``due`` or its interval, or, on a
-        ``look``, whether it takes looks."""
-        monitor = self.monitors[index]
-        if look:
-            return bool(getattr(monitor, "looks", False))
-        due = getattr(monitor, "due", None)
-        return bool(due(step)) if due is not None else step % self.intervals[index] == 0
 
     @property
     def strict(self) -> bool:
@@ -253,7 +231,8 @@ class MechMon(StateMixin, CoverageMixin):
         self._check_strict(step, coverage)
         alarm = None
         if agreed.alarm:
-            alarm = self._new_alarm(share_diagnosis(diagnosis, agreed, self.group), agreed)
+            alarm = agreed_alarm(share_diagnosis(diagnosis, agreed, self.group), agreed,
+                                 self.config_hash, self.config.actions, self.checkpoints)
             self.alarm = alarm
         record = StepRecord(step, table, jsonable(findings), coverage,
                             alarm.to_dict() if alarm is not None else None, look)
@@ -268,9 +247,7 @@ class MechMon(StateMixin, CoverageMixin):
     def close(self) -> None:
         """Detach the monitors' hooks (those that install any) and close the sinks."""
         for monitor in self.monitors:
-            close = getattr(monitor, "close", None)
-            if close is not None:
-                close()
+            monitor.close()
         for sink in self.sinks:
             sink.close()
 
@@ -279,25 +256,11 @@ class MechMon(StateMixin, CoverageMixin):
         live on different TP ranks); pure, so identical on every rank."""
         out: dict[str, float] = {}
         for monitor in self.monitors:
-            derive = getattr(monitor, "derive", None)
-            if derive is not None:
-                try:
-                    out.update({k: v for k, v in derive(table).items() if k in table})
-                except Exception as exc:  # noqa: BLE001
-                    self._error(f"{monitor.family}.derive", exc)
+            try:
+                out.update({k: v for k, v in monitor.derive(table).items() if k in table})
+            except Exception as exc:  # noqa: BLE001
+                self._error(f"{monitor.family}.derive", exc)
         return out
-
-    def _schedule_from(self, step: int, table: Mapping[str, float]) -> None:
-        """Hand the reduced table to monitors whose schedule follows it (``schedule``). Not
-        caught: a rank whose schedule failed would take other steps than its peers, so it is
-        raised as :class:`MonitorProtocolError` before any of them."""
-        for monitor in self.monitors:
-            schedule = getattr(monitor, "schedule", None)
-            if schedule is not None:
-                try:
-                    schedule(step, table)
-                except Exception as exc:
-                    self._escaped(f"{monitor.family}.schedule", step, exc)
 
     def _detect(self, step: int, table: Mapping[str, float],
                 look: bool) -> tuple[list[Any], Any | None]:
@@ -308,43 +271,6 @@ class MechMon(StateMixin, CoverageMixin):
         except Exception as exc:  # noqa: BLE001
             self._error("detectors", exc)
             return [], None
-
-    def _escalate(self, step: int) -> int:
-        """Looks this rank's detectors ask for after the regular sample of ``step`` (none
-        once an alarm is latched)."""
-        if self.alarm is not None:
-            return 0
-        try:
-            return int(self.detectors.escalate(step))
-        except Exception as exc:  # noqa: BLE001
-            self._error("detectors.escalate", exc)
-            return 0
-
-    def _plan_looks(self, step: int, looks: int) -> None:
-        """The agreed look steps after ``step`` (the MAX over ranks of the looks asked for),
-        ``detectors.escalation.spacing`` apart."""
-        if looks > 0:
-            spacing = int(self.config.detectors.escalation.spacing)
-            self.looks = [step + spacing * i for i in range(1, looks + 1)]
-
-    def _new_alarm(self, shared: Mapping[str, Any], agreed: Consensus) -> Alarm:
-        fault = shared["fault_class"]
-        before = [c for c in self.checkpoints if c[0] < agreed.onset_step]
-        return Alarm(
-            alarm_id=alarm_id(fault, agreed.alarm_step, self.config_hash),
-            fault_class=fault,
-            families=list(shared["families"]),
-            first_family=shared["first_family"],
-            onset_step=agreed.onset_step,
-            alarm_step=agreed.alarm_step,
-            evidence=list(shared["evidence"]),
-            config_hash=self.config_hash,
-            exit_code=int(self.config.actions.exit_code),
-            action=str(self.config.actions.on_alarm),
-            description=shared["description"],
-            checkpoint_before_onset={"step": before[-1][0], "path": before[-1][1]} if before
-            else None,
-        )
 
     def _default_alarm_dir(self) -> str:
         if self.checkpoints:

@@ -43,7 +43,7 @@ class CoverageMixin:
     def _family_key(self, index: int) -> str:
         """A monitor's coverage key: its ``coverage_key`` where it names one (``attn_rope``,
         ``attn_max_logit``), else its family; ``_<index>`` where two would share a key."""
-        keys = [getattr(m, "coverage_key", m.family) for m in self.monitors]
+        keys = [m.coverage_key or m.family for m in self.monitors]
         return keys[index] if keys.count(keys[index]) == 1 else f"{keys[index]}_{index}"
 
     def _coverage_payload(self) -> list[int]:

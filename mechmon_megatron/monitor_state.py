@@ -2,33 +2,30 @@
 
 :class:`StateMixin` is part of :class:`mechmon_megatron.monitor.MechMon`: its state dict
 (monitors, detectors, counters, the alarm), the sharded form for checkpoints whose parallel
-layout may change on resume, fail-safe loads (every rank loads, or every rank starts fresh) and
-the resume check that re-raises an unacknowledged alarm.
+layout may change on resume, and fail-safe loads (every rank loads, or every rank starts
+fresh). The resume check of a loaded alarm is in monitor_resume.py.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.actions import raise_alarm
-from mechmon_megatron.alarm import ALARM_FILENAME, Alarm
-from mechmon_megatron.consensus import consensus
-from mechmon_megatron.jsonable import utc_now
+from mechmon_megatron.alarm import Alarm
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.plain_state import StateFileError
-from mechmon_megatron.verdict import Verdict
 
 __all__ = ["StateMixin"]
 
 logger = logging.getLogger("mechmon_megatron.monitor")
 
 
-def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str, Any] | None:
+def aligned(state: Mapping[str, Any] | None,
+            monitors: list[Monitor]) -> Mapping[str, Any] | None:
     """``state`` with its per-monitor list matched to ``monitors`` across stateless monitors.
 
     Monitor states are saved in attach order. A monitor that keeps nothing between steps
@@ -41,7 +38,7 @@ def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str
     if state is None or "monitors" not in state or len(state["monitors"]) == len(monitors):
         return state
     saved = [m for m in state["monitors"] if m != {}]
-    stateless = [bool(getattr(m, "stateless", False)) for m in monitors]
+    stateless = [bool(m.stateless) for m in monitors]
     if stateless.count(False) != len(saved):
         return state
     kept = iter(saved)
@@ -49,64 +46,7 @@ def aligned(state: Mapping[str, Any] | None, monitors: list[Any]) -> Mapping[str
 
 
 class StateMixin:
-    """State and resume methods of :class:`~mechmon_megatron.monitor.MechMon`."""
-
-    def check_resume(self, checkpoint: str | None = None,
-                     alarm_dir: str | None = None) -> Verdict | None:
-        """After loading a checkpoint: re-raise an unacknowledged alarm or re-arm detection.
-
-        Collective: call on every rank, before the first training step. If the loaded state holds
-        an alarm whose id differs from ``config.actions.acknowledge``, the alarm is raised again
-        at once (same id, evidence and exit code; the alarm file is rewritten; no new checkpoint)
-        with the configured action. If the id matches, the alarm is marked acknowledged, the
-        detectors are reset to learn fresh baselines, and training continues.
-
-        Args:
-            checkpoint: path of the checkpoint just loaded, recorded as the alarm checkpoint
-                when the state did not name one (it was captured before its path was known).
-            alarm_dir: where the re-raised alarm file goes: the new run's save directory
-                (the loaded checkpoint's may be shared or read-only and is left as it is);
-                default ``output_dir``. The path is logged and kept in ``alarm.path``.
-
-        Returns:
-            ``None`` when no alarm was pending; a :class:`Verdict` carrying the re-raised alarm;
-            or, after an acknowledgement, an unmonitored :class:`Verdict` without alarm.
-        """
-        pending = self.alarm
-        agreed = consensus(pending is not None,
-                           pending.onset_step if pending else -1,
-                           pending.alarm_step if pending else -1, self.group)
-        if not agreed.alarm:
-            return None
-        record = pending.to_dict() if pending is not None else None
-        alarm = Alarm.from_dict(comm.broadcast_object(record, src=agreed.source_rank,
-                                                      group=self.group))
-        leader = comm.rank(self.group) == 0
-        ack = self.config.actions.acknowledge
-        if ack is not None and str(ack) == alarm.alarm_id:
-            alarm.acknowledged_at = utc_now()
-            self.acknowledged.append(alarm.to_dict())
-            self.alarm = None
-            self.detectors.reset()
-            if leader:
-                logger.warning("mechmon: alarm %s (%s, alarm step %d) acknowledged; detection "
-                               "re-armed on fresh baselines", alarm.alarm_id, alarm.fault_class,
-                               alarm.alarm_step)
-            return Verdict(alarm.alarm_step, monitored=False)
-        if leader and ack is not None:
-            logger.warning("mechmon: actions.acknowledge=%r does not match the pending alarm id "
-                           "%r", ack, alarm.alarm_id)
-        self.alarm = alarm
-        if checkpoint is not None:
-            alarm.alarm_checkpoint = alarm.alarm_checkpoint or str(checkpoint)
-        directory = str(alarm_dir) if alarm_dir is not None else self.config.output_dir
-        if leader:
-            logger.error("mechmon: alarm %s is pending in the resumed checkpoint %s; raised again, "
-                         "its alarm file goes to %s", alarm.alarm_id,
-                         alarm.alarm_checkpoint or "?", os.path.join(directory, ALARM_FILENAME))
-        exit_requested = raise_alarm(alarm, self.config.actions.on_alarm, self.framework,
-                                     group=self.group, alarm_dir=directory, save=False)
-        return Verdict(alarm.alarm_step, False, alarm=alarm, exit_requested=exit_requested)
+    """State methods of :class:`~mechmon_megatron.monitor.MechMon`."""
 
     def state_dict(self, full: bool = False, rebuild_at: int | None = None) -> dict[str, Any]:
         """This rank's monitor state: monitors, detectors, counters, alarm (torch.save-able).
@@ -122,7 +62,7 @@ class StateMixin:
         """
         monitors, failed = [], None
         for m in self.monitors:
-            if full and hasattr(m, "full_state_dict"):
+            if full and m.row_shards:
                 monitors.append(m.full_state_dict(rebuild_at))  # collective; guarded locally
                 continue
             try:
@@ -152,7 +92,7 @@ class StateMixin:
         may change the parallel layout; collective over the world.
 
         The common state is :meth:`state_dict` with the snapshots of monitors that keep them as
-        rows of global tensors (``sharded_state()``: the QK monitor) replaced by their metadata;
+        rows of global tensors (``row_shards``: the QK monitor) replaced by their metadata;
         the row shards (``monitors.qk_state.RowShard``) are keyed ``mechmon.<monitor>.<key>``.
         ``rebuild_at``: the checkpoint's step, where the framework saves the weights the
         monitors read (fp32 parameters): snapshots of that step are read again on load instead
@@ -161,7 +101,7 @@ class StateMixin:
         common = self.state_dict()
         shards: dict[str, Any] = {}
         for i, monitor in enumerate(self.monitors):
-            if hasattr(monitor, "sharded_state"):
+            if monitor.row_shards:
                 meta, rows = monitor.sharded_state(rebuild_at)  # collective, on every rank
                 shards.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
                 if "void" not in common:
@@ -200,7 +140,7 @@ class StateMixin:
             needs = ok and any(m.get("sharded") for m in common["monitors"])
             for i, monitor in enumerate(self.monitors if ok else []):
                 meta = common["monitors"][i].get("sharded")
-                if meta is not None and hasattr(monitor, "sharded_template"):
+                if meta is not None:
                     rows = monitor.sharded_template(meta)
                     templates.update({f"mechmon.{i}.{k}": v for k, v in rows.items()})
         except Exception as exc:  # noqa: BLE001 - voted below; the load still runs
@@ -217,7 +157,7 @@ class StateMixin:
                 self.load_state_dict(common)
                 for i, monitor in enumerate(self.monitors):
                     meta = common["monitors"][i].get("sharded")
-                    if meta is not None and hasattr(monitor, "load_sharded"):
+                    if meta is not None:
                         prefix = f"mechmon.{i}."
                         monitor.load_sharded(meta, {k[len(prefix):]: v for k, v in
                                                     loaded.items() if k.startswith(prefix)})
@@ -227,11 +167,10 @@ class StateMixin:
         if not self._agree_loaded(ok, failure, fresh, source):
             return False
         for monitor in self.monitors if resharded else []:
-            if hasattr(monitor, "forget_rank_state"):
-                monitor.forget_rank_state()
+            monitor.forget_rank_state()
         for i, monitor in enumerate(self.monitors):  # collective reads, on every rank
             meta = common["monitors"][i].get("sharded")
-            if meta is not None and hasattr(monitor, "rebuild_snapshots"):
+            if meta is not None:
                 monitor.rebuild_snapshots(meta)
         return True
 
@@ -300,8 +239,7 @@ class StateMixin:
         if not self._agree_loaded(ok, failure, fresh, source):
             return False
         for monitor, saved in zip(self.monitors, state["monitors"], strict=True):
-            if hasattr(monitor, "rebuild_snapshots"):  # collective reads, on every rank
-                monitor.rebuild_snapshots(saved.get("snapshots", {}))
+            monitor.rebuild_snapshots(saved.get("snapshots", {}))  # collective reads
         return True
 
     def _agree_loaded(self, ok: bool, failure: str | None, fresh: Mapping[str, Any],

@@ -31,19 +31,21 @@ from typing import Any, Literal
 
 import yaml
 
-from mechmon_megatron.config.detectors import (
-    BaselineConfig,
-    BoundsConfig,
+from mechmon_megatron.config.comparisons import (
     ComparisonBaselinesConfig,
-    CusumConfig,
-    DetectorsConfig,
-    FamilyDetectorConfig,
     LogitThresholdConfig,
     LossSpikeConfig,
-    RobustZConfig,
     ZSpikeConfig,
 )
+from mechmon_megatron.config.detectors import DetectorsConfig
 from mechmon_megatron.config.escalation import EscalationConfig
+from mechmon_megatron.config.family_rules import (
+    BaselineConfig,
+    BoundsConfig,
+    CusumConfig,
+    FamilyDetectorConfig,
+    RobustZConfig,
+)
 from mechmon_megatron.config.fields import overlay, require, show, to_dict
 from mechmon_megatron.config.monitors import (
     FP8Config,

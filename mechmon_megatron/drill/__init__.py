@@ -42,9 +42,10 @@ from mechmon_megatron.drill.evaluate import (
     loss_ema,
     monitor_config,
 )
+from mechmon_megatron.drill.fault_spec import FaultSpec
 from mechmon_megatron.drill.report import SCHEMA_VERSION, evaluate_campaign, write_report
 from mechmon_megatron.drill.runner import is_done, run_campaign, run_dir, train_one
-from mechmon_megatron.drill.spec import SHIPPED, CampaignSpec, FaultSpec, load_campaign
+from mechmon_megatron.drill.spec import SHIPPED, CampaignSpec, load_campaign
 
 __all__ = [
     "BASELINE_DETECTORS",

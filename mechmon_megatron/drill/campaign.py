@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from mechmon_megatron.config import load_config
-from mechmon_megatron.drill.spec import CampaignSpec, FaultSpec
+from mechmon_megatron.drill.fault_spec import FaultSpec
+from mechmon_megatron.drill.spec import CampaignSpec
 
 __all__ = [
     "EXPECTED_CLASS",

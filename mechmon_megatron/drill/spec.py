@@ -57,13 +57,8 @@ from typing import Any, Literal
 from mechmon_megatron.config import overlay, require
 from mechmon_megatron.config.fields import show
 from mechmon_megatron.config.source import read_source
-from mechmon_megatron.faults.config import (
-    AttentionFaultConfig,
-    FaultConfig,
-    FP8AttentionFaultConfig,
-    LRFaultConfig,
-    RouterFaultConfig,
-)
+from mechmon_megatron.drill.fault_spec import FaultSpec, fault_fields
+from mechmon_megatron.faults.config import FaultConfig
 from mechmon_megatron.train.data import DataConfig
 from mechmon_megatron.train.model import MLA_DIMS, ModelSpec, ParallelSpec
 from mechmon_megatron.train.train_config import OptimConfig
@@ -73,7 +68,6 @@ __all__ = [
     "SHIPPED",
     "MonitorSpec",
     "CampaignModel",
-    "FaultSpec",
     "CampaignSpec",
     "campaign_path",
     "is_identifier",
@@ -84,8 +78,6 @@ ROOT = "campaign"
 SHIPPED = ("quick", "full", "long", "soak", "dev", "validation", "holdout", "holdout_long",
            "mla_quick", "mla_holdout", "fast_holdout", "soak_shapes", "muon")
 """Campaigns shipped as package data (``mechmon_megatron/campaigns/<name>.yaml``)."""
-
-FaultClass = Literal["attention", "lr", "router", "compound", "fp8_attention"]
 
 IDENTIFIER = "an identifier: letters, digits, '_', '.', '-' (not '.' or '..')"
 """What a fault or model name may be: it names run directories under ``<out>/runs/``."""
@@ -142,49 +134,6 @@ class CampaignModel(ModelSpec):
 
 
 @dataclass
-class FaultSpec:
-    """One fault of the campaign (one run per seed)."""
-
-    name: str = ""
-    """Report label, unique in the campaign (run names are ``<name>-s<seed>``)."""
-    class_: FaultClass = field(default="attention", metadata={"key": "class"})
-    """Mechanism class: the ``fault.kind`` of the runs, and the attribution expected."""
-    model: str = ""
-    """Key of the campaign's ``models``."""
-    onset: float = 0.0
-    """First faulty step (an integer >= 1), or a fraction of ``steps`` in (0, 1)."""
-    seeds: list[int] | None = None
-    """Seeds this fault runs on (a subset of the campaign's); None: every seed."""
-    control: bool = False
-    """A healthy control: scored with the healthy runs (any alarm is a false alarm)."""
-    attention: AttentionFaultConfig = field(default_factory=AttentionFaultConfig)
-    """Biased rounding in the bf16 attention emulation."""
-    lr: LRFaultConfig = field(default_factory=LRFaultConfig)
-    """Large learning rate (step or ramp)."""
-    router: RouterFaultConfig = field(default_factory=RouterFaultConfig)
-    """Router collapse."""
-    fp8_attention: FP8AttentionFaultConfig = field(default_factory=FP8AttentionFaultConfig)
-    """Stale delta in FP8 attention."""
-    compound: list[Literal["attention", "lr", "router", "fp8_attention"]] = field(
-        default_factory=list)
-    """Kinds of a ``compound`` fault."""
-
-    def onset_step(self, steps: int) -> int:
-        """The first faulty step of a run of ``steps`` steps."""
-        return int(self.onset * steps) if self.onset < 1 else int(self.onset)
-
-    def fault_section(self, steps: int) -> dict[str, Any]:
-        """The trainer's ``fault:`` mapping (validated by :class:`FaultConfig`)."""
-        kinds = self.compound if self.class_ == "compound" else [self.class_]
-        section: dict[str, Any] = {"kind": self.class_, "start_step": self.onset_step(steps)}
-        if self.class_ == "compound":
-            section["compound"] = list(self.compound)
-        for kind in kinds:
-            section[kind] = dataclasses.asdict(getattr(self, kind))
-        return section
-
-
-@dataclass
 class CampaignSpec:
     """A whole campaign file (see the module docstring)."""
 
@@ -233,7 +182,7 @@ class CampaignSpec:
             require(f.onset_step(self.steps) < self.steps, f"{at}.onset", f.onset,
                     f"an onset before the last step ({self.steps})")
             try:
-                FaultConfig(**_fault_fields(f, self.steps))
+                FaultConfig(**fault_fields(f, self.steps))
             except ValueError as err:
                 raise ValueError(f"{ROOT}.{at}.{err}") from None
             needs_fp8 = f.class_ == "fp8_attention" or "fp8_attention" in f.compound
@@ -244,15 +193,6 @@ class CampaignSpec:
     def fault_steps(self) -> dict[str, int]:
         """``{fault name: onset step}``."""
         return {f.name: f.onset_step(self.steps) for f in self.faults}
-
-
-def _fault_fields(f: FaultSpec, steps: int) -> dict[str, Any]:
-    section = f.fault_section(steps)
-    out: dict[str, Any] = {"kind": section["kind"], "start_step": section["start_step"],
-                           "compound": list(f.compound) if f.class_ == "compound" else []}
-    for kind in ("attention", "lr", "router", "fp8_attention"):
-        out[kind] = getattr(f, kind)
-    return out
 
 
 def campaign_path(source: str | Path) -> Path | None:

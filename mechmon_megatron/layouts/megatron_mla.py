@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, is_mla, local_fp32
+from mechmon_megatron.layouts.megatron_fp32 import fp32_sum_group, local_fp32
+from mechmon_megatron.layouts.megatron_qkv import is_mla
 from mechmon_megatron.layouts.norms import fold_norm
 
 __all__ = ["PARTS", "is_mla", "mla_layout", "mla_factors", "mla_rows", "mla_read_phases"]

@@ -18,11 +18,9 @@ Per query head i with group g(i) the QK bilinear form is ``W_Q,i W_K,g^T`` with
 (:func:`mechmon_megatron.layouts.norms.fold_norm`: ``diag(gamma) C rows`` for LayerNorm, the
 data-dependent 1/rms and the bias ignored). RoPE is ignored (the weight form is monitored).
 
-Weights read (in order of preference): ``param.main_param`` when the optimizer keeps an fp32
-master copy (megatron ``Float16OptimizerWithFloat16Params``; with ``DistributedOptimizer`` the
-DP-local flat slice is rebuilt over the DP group by a SUM all-reduce of a zero buffer holding
-this rank's slice, or in the QK read a SUM reduce to the rank that uses it), otherwise the
-parameter itself (fp32 training, plain torch optimizers).
+The weights read are the fp32 weights the optimizer updates
+(:mod:`mechmon_megatron.layouts.megatron_fp32`); in the QK read the DP-sharded copy is summed
+to the rank that uses it.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.megatron_fp32 import fp32_sum_group, local_fp32
 from mechmon_megatron.layouts.norms import fold_norm
 
 __all__ = [
@@ -44,10 +43,6 @@ __all__ = [
     "read_qk_rows",
     "qk_rows",
     "qk_read_phases",
-    "fp32_weight",
-    "fp32_sum_group",
-    "local_fp32",
-    "low_precision_reason",
 ]
 
 
@@ -135,89 +130,6 @@ def qk_layout(attn: Any, tp_rank: int, tp_size: int) -> dict[str, Any]:
     }
 
 
-def fp32_weight(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:
-    """An fp32 copy of the weights the optimizer updates (see the module docstring).
-
-    ``local_fp32`` then, where the fp32 copy is DP-sharded (:func:`fp32_sum_group`), a SUM
-    all-reduce over the DP group: under ``DistributedOptimizer`` every DP rank takes the same
-    branch (``main_param_sharded`` is set on all of them, also on ranks that own no slice of this
-    parameter) and joins the same all-reduce, contributing zeros outside its slice.
-    """
-    local = local_fp32(param, optimizer)
-    group = fp32_sum_group(param, optimizer)
-    return local if group is None else comm.all_reduce_sum(local, group)
-
-
-def fp32_sum_group(param: torch.nn.Parameter, optimizer: Any = None) -> comm.Group | None:
-    """The DP group over which :func:`local_fp32` parts are summed into the full fp32 weight,
-    or None when the local part is already complete (fixed for a model and optimizer).
-
-    Raises:
-        ValueError: a DP-sharded ``main_param`` without the DistributedOptimizer owning it.
-    """
-    if not getattr(param, "main_param_sharded", False):
-        return None
-    owner = _owning_optimizer(optimizer, param)
-    if owner is None:
-        raise ValueError("parameter has a DP-sharded main_param but no DistributedOptimizer "
-                         "owning it was given; pass the optimizer to the monitor")
-    if getattr(getattr(owner, "config", None), "use_precision_aware_optimizer", False):
-        return None
-    return owner.data_parallel_group
-
-
-def low_precision_reason(param: torch.nn.Parameter, optimizer: Any = None) -> str | None:
-    """Why :func:`local_fp32` can only read a low-precision copy of ``param``, or None."""
-    if getattr(param, "main_param_sharded", False) and fp32_sum_group(param, optimizer) is None:
-        return ("the precision-aware optimizer keeps the fp32 main params inside its fused state, "
-                "so the bf16 model weights are read (under --overlap-param-gather the Megatron-LM "
-                "launcher completes their all-gather before each monitored read)")
-    if getattr(param, "main_param", None) is None and param.dtype in (torch.float16,
-                                                                       torch.bfloat16):
-        return (f"the optimizer keeps no fp32 main param for this {param.dtype} weight; the "
-                "low-precision weights are read")
-    return None
-
-
-def local_fp32(param: torch.nn.Parameter, optimizer: Any = None) -> torch.Tensor:
-    """This rank's part of the fp32 weight, ``[*param.shape]`` (no collective).
-
-    DP-sharded main params: this rank's slice in a zero buffer. Precision-aware optimizer (the
-    fp32 copy lives inside the fused optimizer): the synchronised model weight. Otherwise
-    ``main_param``, a TE QuantizedTensor dequantized, or the parameter itself.
-    """
-    if getattr(param, "main_param_sharded", False):
-        owner = _owning_optimizer(optimizer, param)
-        if fp32_sum_group(param, optimizer) is None:
-            return param.detach().float().clone()
-        main = getattr(param, "main_param", None)
-        full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-        if main is not None:
-            rng = owner._get_model_param_range_map(param)["param"]
-            full[rng.start:rng.end] = main.detach().float().view(-1)
-        return full.view(param.shape)
-    main = getattr(param, "main_param", None)
-    if main is not None:
-        return main.detach().float().view(param.shape).clone()
-    if type(param).__module__.startswith("transformer_engine"):
-        # --fp8-param-gather keeps the weight as a TE QuantizedTensor.
-        return param.dequantize().float()
-    return param.detach().float().clone()
-
-
-def _owning_optimizer(optimizer: Any, param: torch.nn.Parameter) -> Any:
-    """The (chained) sub-optimizer whose grad buffers hold ``param``: the same on every DP rank."""
-    subs = getattr(optimizer, "chained_optimizers", None) or ([optimizer] if optimizer else [])
-    for sub in subs:
-        # model_param_gbuf_map holds only the params overlapping this rank's shard; a rank that
-        # owns no slice of ``param`` finds it in the (DP-replicated) buffers' param_index_map.
-        if param in getattr(sub, "model_param_gbuf_map", {}) or any(
-                param in getattr(buf, "param_index_map", {})
-                for buf in getattr(sub, "buffers", ())):
-            return sub
-    return None
-
-
 def _gamma(norm: Any) -> torch.Tensor | None:
     weight = getattr(norm, "weight", None)
     return None if weight is None else weight.detach().float()
@@ -275,15 +187,15 @@ def qk_read_phases(attn: Any, layout: dict[str, Any], tp_rank: int, tp_size: int
                    ) -> tuple[Callable[[], torch.Tensor],
                               Callable[[torch.Tensor | None], tuple[torch.Tensor, bool]],
                               Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
-    """:func:`read_qk_rows` with :func:`fp32_weight` as the three phases of ``QKSource``:
-    ``read`` (local fp32 part, may fail), ``exchange`` (DP sum of sharded main params, then TP
-    gather when ng < tp: fixed shapes, a failed local phase travels as the void flag, left on
-    the device for the monitor's one transfer) and
-    ``finish`` (:func:`qk_rows`).
+    """:func:`read_qk_rows` with :func:`~.megatron_fp32.fp32_weight` as the three phases of
+    ``QKSource``: ``read`` (local fp32 part, may fail), ``exchange`` (DP sum of sharded main
+    params, then TP gather when ng < tp: fixed shapes, a failed local phase travels as the void
+    flag, left on the device for the monitor's one transfer) and ``finish`` (:func:`qk_rows`).
 
-    ``dp_dst``: the rank of :func:`fp32_sum_group` that uses the rows (the layer's owner in a
-    DP split): the sharded main params are reduced to it instead of all-reduced, and the TP
-    gather runs only on its replica; elsewhere the exchange returns void (True)."""
+    ``dp_dst``: the rank of :func:`~.megatron_fp32.fp32_sum_group` that uses the rows (the
+    layer's owner in a DP split): the sharded main params are reduced to it instead of
+    all-reduced, and the TP gather runs only on its replica; elsewhere the exchange returns void
+    (True)."""
     param = attn.linear_qkv.weight
     shape = tuple(param.shape)
     dp_group = fp32_sum_group(param, optimizer)

@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 
+from mechmon_megatron.config.monitors import FP8Config
 from mechmon_megatron.layouts.te_fp8 import FP8Module, read_fp8_state
-from mechmon_megatron.monitors.base import armed_step
+from mechmon_megatron.monitors.base import Monitor, armed_step
 
 __all__ = ["FP8Monitor", "fp8_signal_names", "STATS"]
 
@@ -51,11 +52,11 @@ def fp8_signal_names(modules: Sequence[tuple[int, str]]) -> list[str]:
                   for layer, name in modules for d in ("fwd", "bwd") for stat in STATS)
 
 
-class FP8Monitor:
+class FP8Monitor(Monitor):
     """Signals of Transformer Engine's FP8 state (module docstring).
 
     Args:
-        config: ``FP8Config``-like: ``interval``, ``layers`` (``"all"`` or layer numbers).
+        config: ``interval``, ``layers`` (``"all"`` or layer numbers).
         modules: this rank's TE modules (:func:`mechmon_megatron.layouts.te_fp8.
             find_fp8_modules`).
         catalog: every ``(layer, module path)`` of the model (all pipeline stages).
@@ -63,7 +64,7 @@ class FP8Monitor:
 
     family = "fp8"
 
-    def __init__(self, config: Any, modules: Sequence[FP8Module],
+    def __init__(self, config: FP8Config, modules: Sequence[FP8Module],
                  catalog: Sequence[tuple[int, str]]) -> None:
         self.interval = int(config.interval)
         wanted = None if config.layers == "all" else set(config.layers)

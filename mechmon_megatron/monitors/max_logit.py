@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from mechmon_megatron.monitors.base import Looks, Stateless, armed_step
+from mechmon_megatron.monitors.base import Looks, Monitor, Stateless, armed_step
 
 __all__ = ["MaxLogitMonitor", "max_logit_names", "attach_logit_hook", "PREFIX"]
 
@@ -75,7 +75,7 @@ def attach_logit_hook(core_attention: Any, armed: Callable[[], bool],
     return core_attention.register_forward_hook(hook).remove
 
 
-class MaxLogitMonitor(Looks, Stateless):
+class MaxLogitMonitor(Looks, Stateless, Monitor):
     """Per-head max attention logits of the monitored steps (module docstring).
 
     Args:

@@ -53,6 +53,7 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.layouts.param_groups import GROUPS
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
 from mechmon_megatron.monitors.sharpness import SharpnessEstimator
 from mechmon_megatron.monitors.sharpness_schedule import EOS_RATIO, SharpnessSchedule
@@ -115,7 +116,7 @@ def optim_holders(source: OptimSource) -> dict[str, int]:
     return dict(zip(keys, (int(c) for c in counts.tolist()), strict=True))
 
 
-class OptimMonitor:
+class OptimMonitor(Monitor):
     """See the module docstring.
 
     Args:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.monitors.base import RowShards
 from mechmon_megatron.monitors.qk_state import (
     RowShard,
     restore_snapshots,
@@ -31,7 +32,7 @@ from mechmon_megatron.monitors.qk_state import (
 __all__ = ["QKCheckpoint"]
 
 
-class QKCheckpoint:
+class QKCheckpoint(RowShards):
     """Mixin of :class:`~.qk_update.QKUpdateMonitor`: its state in checkpoints. Uses its
     ``sources``, ``snapshots``, ``errors``, ``dp_group``, ``owns``, ``_snapshot_of``,
     ``_warn_once`` and ``_error``."""

@@ -53,6 +53,7 @@ import torch
 from mechmon_megatron import comm
 from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.monitors.qk_batch import QKBatch
 from mechmon_megatron.monitors.qk_checkpoint import QKCheckpoint
 from mechmon_megatron.monitors.qk_clip import clip_names
@@ -90,7 +91,7 @@ def _listed(values: list[int], most: int = 12) -> str:
     return text + (f", ... ({len(values)} in all)" if len(values) > most else "")
 
 
-class QKUpdateMonitor(QKCheckpoint, QKWindow, QKBatch, QKObserve, QKHeads):
+class QKUpdateMonitor(QKCheckpoint, QKWindow, QKBatch, QKObserve, QKHeads, Monitor):
     """Monitor of ``W_Q W_K^T`` updates (see the module docstring for its signals).
 
     Args:

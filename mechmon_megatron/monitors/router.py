@@ -33,7 +33,7 @@ from mechmon_megatron.math.routing import (
     num_slots,
     routing_stats,
 )
-from mechmon_megatron.monitors.base import Looks, Stateless
+from mechmon_megatron.monitors.base import Looks, Monitor, Stateless
 from mechmon_megatron.monitors.router_capture import (
     BIAS_STAT,
     RouterSource,
@@ -44,7 +44,7 @@ from mechmon_megatron.monitors.router_capture import (
 
 __all__ = ["RouterMonitor"]
 
-class RouterMonitor(Looks, Stateless):
+class RouterMonitor(Looks, Stateless, Monitor):
     """Routing statistics of every MoE layer, reduced over the ranks that routed tokens.
 
     Args:

@@ -31,20 +31,6 @@ from mechmon_megatron import comm
 __all__ = ["sync_grads", "grad_norm", "update_expert_bias"]
 
 
-def _flat_reduce(
-    params: list[torch.nn.Parameter], group: comm.Group, scale: float, always_scale: bool = False
-) -> None:
-    if not params or (comm.world_size(group) == 1 and not always_scale):
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    flat = comm.all_reduce_sum(flat, group) * scale
-    offset = 0
-    for p in params:
-        n = p.grad.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-        offset += n
-
-
 def sync_grads(model: torch.nn.Module) -> None:
     """All-reduce gradients of ``model`` across TP (sequence-parallel params), DP and expert-DP."""
     from megatron.core import parallel_state as ps
@@ -54,14 +40,15 @@ def sync_grads(model: torch.nn.Module) -> None:
     qk_norm = bool(getattr(getattr(model, "config", None), "qk_layernorm", False))
     tp_sum = [p for n, p in named if getattr(p, "sequence_parallel", False)
               or (qk_norm and ("q_layernorm" in n or "k_layernorm" in n))]
-    _flat_reduce(tp_sum, ps.get_tensor_model_parallel_group(), 1.0)
+    comm.all_reduce_into([p.grad for p in tp_sum], ps.get_tensor_model_parallel_group(), 1.0)
 
     dense = [p for p in params if getattr(p, "allreduce", True)]
     expert = [p for p in params if not getattr(p, "allreduce", True)]
     dp_group = ps.get_data_parallel_group()
-    _flat_reduce(dense, dp_group, 1.0 / comm.world_size(dp_group))
+    comm.all_reduce_into([p.grad for p in dense], dp_group, 1.0 / comm.world_size(dp_group))
     edp_group = ps.get_expert_data_parallel_group()
-    _flat_reduce(expert, edp_group, 1.0 / comm.world_size(dp_group), always_scale=True)
+    comm.all_reduce_into([p.grad for p in expert], edp_group, 1.0 / comm.world_size(dp_group),
+                         always=True)
 
 
 def grad_norm(model: torch.nn.Module) -> float:

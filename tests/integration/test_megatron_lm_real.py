@@ -82,7 +82,7 @@ import torch.distributed as dist
 
 from mechmon_megatron.integrations.megatron import lm
 from mechmon_megatron.launch import megatron as launcher
-from mechmon_megatron.layouts.megatron_qkv import _owning_optimizer, fp32_weight
+from mechmon_megatron.layouts.megatron_fp32 import _owning_optimizer, fp32_weight
 
 real_install = lm.install
 

@@ -62,9 +62,9 @@ def _rows_match_forward(model, tp_rank: int, tp_size: int) -> float:
     import torch
     from megatron.core import parallel_state as ps
 
+    from mechmon_megatron.layouts.megatron_fp32 import fp32_weight
     from mechmon_megatron.layouts.megatron_qkv import (
         find_attention_modules,
-        fp32_weight,
         qk_layout,
         read_qk_rows,
     )

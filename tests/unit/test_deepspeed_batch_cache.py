@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mechmon_megatron.integrations.deepspeed.optim import BatchCache, scalar_loss
+from mechmon_megatron.integrations.deepspeed.probe_batch import BatchCache, scalar_loss
 
 
 def test_a_scalar_loss_is_the_tensor_its_loss_attribute_or_a_tuples_first_item():

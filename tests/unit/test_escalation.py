@@ -12,7 +12,7 @@ from typing import Any
 
 from mechmon_megatron.config import load_config
 from mechmon_megatron.monitor import MechMon
-from mechmon_megatron.monitors.base import Looks
+from mechmon_megatron.monitors.base import Looks, Monitor
 from mechmon_megatron.sinks import JsonlSink
 
 ML = "attn/max_logit/max/layer_{}"
@@ -22,7 +22,7 @@ CALIBRATION = [100 * i + 1 for i in range(6, 26)]
 logit is a jump signal: 5 samples) calibrates the step-to-step correlation (detect/looks.py)."""
 
 
-class LogitMonitor(Looks):
+class LogitMonitor(Looks, Monitor):
     """Per-step max logits of two layers; layer 1's grow x1.05 per step from ``fault``."""
 
     family = "attn"
@@ -56,7 +56,7 @@ class LogitMonitor(Looks):
         pass
 
 
-class WindowMonitor:
+class WindowMonitor(Monitor):
     """A windowed monitor at the same interval: never sampled on a look."""
 
     family = "attn"

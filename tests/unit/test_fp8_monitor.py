@@ -160,7 +160,8 @@ def test_monitor_survives_a_broken_module():
 
 
 def test_qk_layout_reads_a_te_layernorm_linear_with_an_fp8_parameter_like_the_local_spec():
-    from mechmon_megatron.layouts.megatron_qkv import fp32_weight, qk_layout, read_qk_rows
+    from mechmon_megatron.layouts.megatron_fp32 import fp32_weight
+    from mechmon_megatron.layouts.megatron_qkv import qk_layout, read_qk_rows
 
     class Float8Tensor:
         """TE QuantizedTensor layout (``--fp8-param-gather``): FP8 data and a dequantize."""

@@ -56,7 +56,7 @@ def test_a_low_precision_read_names_its_reason():
 
     import torch
 
-    from mechmon_megatron.layouts.megatron_qkv import low_precision_reason
+    from mechmon_megatron.layouts.megatron_fp32 import low_precision_reason
 
     fp32 = torch.nn.Parameter(torch.zeros(4, 4))
     assert low_precision_reason(fp32) is None

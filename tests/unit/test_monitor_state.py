@@ -1,6 +1,6 @@
 """The orchestrator over a synthetic monitor: state round trips, resume, errors, coverage.
 
-``SyntheticMonitor`` is a deterministic signal generator that follows the Monitor protocol: per
+``SyntheticMonitor`` is a deterministic signal generator that follows the Monitor contract: per
 layer an attention entropy near 3.0 with small seeded noise; layer 1's drops by 0.5 at each fault
 step (a local level shift: the default attn detectors compare a layer with its peers).
 ``SilentBank`` keeps a rank from tripping. Both are reused by the distributed tests.
@@ -26,12 +26,13 @@ from mechmon_megatron.monitor import (
     MonitorError,
     MonitorProtocolError,
 )
+from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.plain_state import StateFileError
 from mechmon_megatron.sinks import JsonlSink
 
 
-class SyntheticMonitor:
-    """Monitor protocol; emits on steps that are multiples of ``interval``."""
+class SyntheticMonitor(Monitor):
+    """A :class:`Monitor`; emits on steps that are multiples of ``interval``."""
 
     family = "attn"
 

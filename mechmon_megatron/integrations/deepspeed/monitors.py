@@ -53,7 +53,7 @@ def engine_config(engine: Any,
 def build_monitors(config: MechMonConfig, engine: Any, batch: Any = None) -> list[Any]:
     """The configured monitors over ``engine.module`` (collective: small metadata gathers).
 
-    ``batch``: the hooks' :class:`~mechmon_megatron.integrations.deepspeed.optim.BatchCache`
+    ``batch``: the hooks' :class:`~mechmon_megatron.integrations.deepspeed.probe_batch.BatchCache`
     (the optim family's sharpness probe needs it; without it, update ratios only).
 
     Raises:

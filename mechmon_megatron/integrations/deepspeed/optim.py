@@ -15,17 +15,18 @@ False``, ``group_name``) is identical on the ranks of its expert-data-parallel g
 that group's rank 0 (also the probe's rule: its vectors are whole parameters).
 
 Sharpness probe (ZeRO 0-3, not the pipeline engine): the module's inputs of the first
-grad-enabled forward of each step are kept by reference (:class:`BatchCache`; nothing is copied
-or sliced, so ``sharpness.batch_size`` does not apply: the whole micro-batch is used). The loss
-is the module run functionally (``torch.func.functional_call`` on the displaced weights) in eval
-mode under :func:`~mechmon_megatron.monitors.probe_context.isolated` (CPU/CUDA RNG and DeepSpeed's
-RNG tracker restored, buffers restored), reduced to a scalar: the output itself, its ``.loss``,
-or the first element of a tuple. Gradients are averaged as DeepSpeed's engine does
+grad-enabled forward of each step are kept by reference (:class:`~.probe_batch.BatchCache`;
+nothing is copied or sliced, so ``sharpness.batch_size`` does not apply: the whole micro-batch
+is used). The loss is the module run functionally (``torch.func.functional_call`` on the
+displaced weights) in eval mode under
+:func:`~mechmon_megatron.monitors.probe_context.isolated` (CPU/CUDA RNG and DeepSpeed's RNG
+tracker restored, buffers restored), reduced to a scalar: the output itself, its ``.loss``, or
+the first element of a tuple. Gradients are averaged as DeepSpeed's engine does
 (``allreduce_bucket`` / ``_reduce_expert_gradients``): dense SUM over DP times 1/DP; experts SUM
 over their expert-DP group times 1/DP. Adam state: ZeRO-0 with a ``torch.optim`` Adam/AdamW
 reads its per-parameter state; ZeRO 1/2 and the bf16 optimizer gather ``exp_avg_sq`` and
 ``exp_avg`` with ``safe_get_full_optimizer_state`` (collective, in parameter order) and take
-lr/betas/eps and the step from the wrapped optimizer's group.
+lr/betas/eps and the step from the wrapped optimizer's group (:mod:`.adam_state`).
 
 ZeRO-3: the module's parameters are partitioned placeholders (``numel() == 0`` outside
 DeepSpeed's gather hooks), so the probe works on this rank's partitions and evaluates gradients
@@ -42,174 +43,18 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.integrations.deepspeed.adam_state import AdamReader
+from mechmon_megatron.integrations.deepspeed.probe_batch import BatchCache, scalar_loss
 from mechmon_megatron.integrations.deepspeed.zero3 import zero3_memory_problem, zero3_probe
 from mechmon_megatron.layouts.deepspeed_fp32 import full_fp32_weight, local_fp32
 from mechmon_megatron.layouts.deepspeed_moe import find_topk_gates
 from mechmon_megatron.layouts.param_groups import classify
-from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
+from mechmon_megatron.monitors.curvature_probe import CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource
 from mechmon_megatron.monitors.optimizer_kind import not_adam, sharpness_off
 from mechmon_megatron.monitors.probe_context import isolated
 
-__all__ = ["BatchCache", "scalar_loss", "deepspeed_optim_source"]
-
-_READY, _WAIT, _UNSUPPORTED = 0, 1, 2
-
-
-def scalar_loss(output: Any) -> torch.Tensor | None:
-    """A scalar loss from a forward's output: the tensor, ``.loss``, or a tuple's first item."""
-    if not isinstance(output, torch.Tensor):
-        loss = getattr(output, "loss", None)
-        if loss is None and isinstance(output, (tuple, list)) and output:
-            loss = output[0]
-        output = loss
-    if isinstance(output, torch.Tensor) and output.numel() == 1 and output.is_floating_point():
-        return output.float().reshape(())
-    return None
-
-
-class BatchCache:
-    """References to the module inputs of the first grad-enabled forward of each step.
-
-    Attributes:
-        step: the step whose inputs are held (``global_steps + 1`` at that forward).
-        reducible: whether that forward's output gave a scalar loss (:func:`scalar_loss`).
-        probing: set while the probe runs the module, so the engine hooks ignore its forward.
-        active: set when a probe uses the cache (nothing is kept otherwise).
-    """
-
-    def __init__(self) -> None:
-        self.step: int | None = None
-        self.args: tuple = ()
-        self.kwargs: dict[str, Any] = {}
-        self.reducible = False
-        self._pending = False
-        self.probing = False
-        self.active = False
-
-    def capture(self, step: int, args: tuple, kwargs: Mapping[str, Any]) -> None:
-        """Keep ``args``/``kwargs`` if this is ``step``'s first forward (references only)."""
-        if self.active and step != self.step:
-            self.step, self.args, self.kwargs = step, args, dict(kwargs)
-            self.reducible, self._pending = False, True
-
-    def observe(self, output: Any) -> None:
-        """Note whether the captured forward's output reduces to a scalar loss."""
-        if self._pending:
-            self._pending = False
-            self.reducible = scalar_loss(output) is not None
-
-
-def _flat_reduce(grads: list[torch.Tensor], group: comm.Group, scale: float) -> None:
-    if not grads:
-        return
-    flat = comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group) * scale
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def _group_index(engine: Any) -> dict[int, int]:
-    """``{id(model param): index of its optimizer param group}``."""
-    opt = engine.optimizer
-    groups = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
-    if groups is None:
-        groups = [g["params"] for g in getattr(opt, "param_groups", [])]
-    return {id(p): i for i, group in enumerate(groups) for p in group}
-
-
-class _Adam:
-    """Adam's state for the probe's parameters (collective under ZeRO 1/2: same calls on every
-    rank); a readiness vote first, so every rank gathers or none does."""
-
-    def __init__(self, engine: Any, params: Sequence[torch.nn.Parameter],
-                 batch: BatchCache) -> None:
-        self.engine, self.params, self.batch = engine, list(params), batch
-        self.sharded = any(hasattr(p, "_hp_mapping") for p in self.params)
-        inner = engine.optimizer
-        if self.sharded:
-            inner = getattr(inner, "optimizer", inner)
-        self.inner = inner
-        self.index = _group_index(engine)
-        self._warned = False
-
-    def _group(self, p: torch.nn.Parameter) -> tuple[dict, dict]:
-        """``(param group, optimizer state)`` holding ``p``'s step and moments."""
-        if not self.sharded:
-            return next(g for g in self.inner.param_groups
-                        if any(q is p for q in g["params"])), self.inner.state.get(p) or {}
-        group = self.inner.param_groups[self.index[id(p)]]
-        return group, self.inner.state.get(group["params"][0]) or {}
-
-    def _relink(self) -> None:
-        """Point each parameter's fragment at Adam's state again (views; local, no collective).
-
-        DeepSpeed 0.19.8's ZeRO 1/2 links the state once, right after the *first* param group's
-        step, when the later groups (MoE experts, no-decay groups) hold no state yet: their
-        fragments stay empty and ``safe_get_full_optimizer_state`` raises on them. A loaded
-        checkpoint also replaces the state tensors the views point at.
-        """
-        from deepspeed.utils import lazy_init_hp_params_optimizer_state
-
-        opt = self.engine.optimizer
-        low = getattr(opt, "bit16_groups", None) or getattr(opt, "bf16_groups", None)
-        high = (getattr(opt, "single_partition_of_fp32_groups", None)
-                or getattr(opt, "fp32_groups_flat_partition", None))
-        for lp, hp in zip(low or [], high or [], strict=False):
-            if hp in self.inner.state:
-                lazy_init_hp_params_optimizer_state(lp, hp, self.inner.state)
-
-    def _vote(self) -> int:
-        step = int(self.engine.global_steps)
-        local = _READY
-        if not (self.batch.step == step and self.batch.reducible):
-            local = _WAIT
-        if self.sharded:
-            self._relink()
-        for p in self.params:
-            group, state = self._group(p)
-            mapping = getattr(p, "_hp_mapping", None)
-            if not state or float(state.get("step", group.get("step", 0))) <= 0:
-                local = max(local, _WAIT)
-            elif "exp_avg_sq" not in state or "betas" not in group:
-                local = _UNSUPPORTED
-            elif mapping is not None and not {"exp_avg", "exp_avg_sq"} <= set(
-                    getattr(mapping, "optim_fragment", None) or {}):
-                local = max(local, _WAIT)  # a rank that cannot read must not start the gather
-        return int(comm.all_reduce_max(torch.tensor([local], dtype=torch.int64)).item())
-
-    def __call__(self) -> AdamState | None:
-        vote = self._vote()
-        if vote == _UNSUPPORTED:
-            if not self._warned:
-                self._warned = True
-                warnings.warn(f"mechmon optim.sharpness: {type(self.inner).__name__} keeps no "
-                              "Adam exp_avg_sq; the probe needs an Adam-type optimizer",
-                              RuntimeWarning, stacklevel=2)
-            raise ValueError("optim.sharpness: not an Adam-type optimizer")
-        return self._gather() if vote == _READY else None
-
-    def _gather(self) -> AdamState:
-        from deepspeed.utils import safe_get_full_optimizer_state
-
-        denoms, lrs, moments, beta1 = [], [], [], 0.0
-        for p in self.params:
-            group, state = self._group(p)
-            if self.sharded:
-                v = safe_get_full_optimizer_state(p, "exp_avg_sq")
-                m = safe_get_full_optimizer_state(p, "exp_avg")
-            else:
-                v, m = state["exp_avg_sq"], state["exp_avg"]
-            b1, b2 = group["betas"]
-            t = float(state.get("step", group.get("step", 0)))
-            v_hat = v.float().view(p.shape) / (1.0 - b2 ** t)
-            denoms.append(v_hat.sqrt().add_(group["eps"]))
-            lrs.append(float(group["lr"]))
-            moments.append(m.float().view(p.shape))
-            beta1 = max(beta1, float(b1))
-        return AdamState(denoms, lrs, beta1, moments)
-
+__all__ = ["deepspeed_optim_source"]
 
 def _offloaded(cfg: Any) -> bool:
     """Whether a ZeRO offload section sends something off the device."""
@@ -308,11 +153,13 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
 
     def reduce(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         # Same order on every rank: dense, then expert groups by sorted name.
-        _flat_reduce([g for d, g in zip(dense, grads, strict=True) if d], dp_group, 1.0 / dp)
+        comm.all_reduce_into([g for d, g in zip(dense, grads, strict=True) if d], dp_group,
+                             1.0 / dp, always=True)
         for name in experts:
-            _flat_reduce([g for p, d, g in zip(params, dense, grads, strict=True)
-                          if not d and p.group_name == name],
-                         groups._get_expert_data_parallel_group(name), 1.0 / dp)
+            comm.all_reduce_into([g for p, d, g in zip(params, dense, grads, strict=True)
+                                  if not d and p.group_name == name],
+                                 groups._get_expert_data_parallel_group(name), 1.0 / dp,
+                                 always=True)
         return grads
 
     # No model parallelism here (the integration refuses TP > 1): the forward is collective
@@ -322,7 +169,7 @@ def deepspeed_optim_source(engine: Any, batch: BatchCache | None, sharpness: boo
     # DeepSpeed's gates choose by argmax / top-k (with Gumbel noise and random token
     # selection): held fixed within an estimate (probe_context.FrozenTopK).
     gates = [gate for _, gate, _ in find_topk_gates(module)]
-    probe = CurvatureProbe(names, params, owned, loss, reduce, _Adam(engine, params, batch),
+    probe = CurvatureProbe(names, params, owned, loss, reduce, AdamReader(engine, params, batch),
                            adam_collective=True, local_model=local, routers=gates,
                            lr=schedule_lr(engine.optimizer))
     return OptimSource(entries, probe=probe, **phases)

@@ -54,7 +54,6 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,6 +73,7 @@ from mechmon_megatron.integrations.megatron.core import (
     megatron_schedule,
     needs_param_sync,
 )
+from mechmon_megatron.integrations.megatron.deferred import DeferredActions
 from mechmon_megatron.monitor import MechMon
 from mechmon_megatron.sinks import build_sinks
 
@@ -83,29 +83,19 @@ TRAIN_MODULE = "megatron.bridge.training.train"
 LOSS_KEY = "lm loss"
 
 
-class BridgeActions:
+class BridgeActions(DeferredActions):
     """:class:`~mechmon_megatron.actions.FrameworkActions` for Bridge's loop: both calls record;
-    Bridge saves and stops at the end of the iteration through its signal-handler branch."""
+    Bridge saves (to ``checkpoint.save``) and stops at the end of the iteration through its
+    signal-handler branch."""
 
     def __init__(self, state: Any) -> None:
+        super().__init__(lambda: state.cfg.checkpoint.save, "mechmon: alarm without "
+                         "checkpoint.save: Bridge will stop without a checkpoint")
         self.state = state
-        self.save_step: int | None = None
-        self.exit_code: int | None = None
-
-    def save_checkpoint(self, step: int) -> str | None:
-        """Return ``<save>/iter_NNNNNNN``, the checkpoint Bridge writes at the end of ``step``."""
-        save = self.state.cfg.checkpoint.save
-        if not save:
-            if comm.global_rank() == 0:
-                warnings.warn("mechmon: alarm without checkpoint.save: Bridge will stop without "
-                              "a checkpoint", RuntimeWarning, stacklevel=2)
-            return None
-        self.save_step = int(step)
-        return iteration_dir(save, int(step))
 
     def request_exit(self, exit_code: int) -> None:
         """Set Bridge's exit-signal-handler flag; its loop saves and leaves after this step."""
-        self.exit_code = int(exit_code)
+        super().request_exit(exit_code)
         train_cfg = self.state.cfg.train
         if not train_cfg.exit_signal_handler:
             train_cfg.exit_signal_handler = True  # read by checkpoint_and_decide_exit each step
@@ -179,7 +169,7 @@ class MechMonCallback:
         framework = BridgeFramework(self, context)
         assembly = assemble(self.config, framework)
         self.config, self.mon = assembly.config, assembly.mon
-        if any(getattr(m, "estimator", None) is not None for m in self.mon.monitors):
+        if any(m.estimator is not None for m in self.mon.monitors):
             self.batch.install(list(context.model)[0])
         cfg = state.cfg
         self._sync_params = needs_param_sync(

@@ -91,7 +91,7 @@ def row_sharded(key: str, shard: Any) -> Any:
 def _sharded(mon: Any) -> bool:
     """Whether any monitor keeps snapshots as row shards (the same on every rank: attach
     compares the monitor schedule)."""
-    return any(hasattr(m, "sharded_state") for m in mon.monitors)
+    return any(m.row_shards for m in mon.monitors)
 
 
 def save_state(mon: Any, directory: str, iteration: int | None = None) -> None:

@@ -19,11 +19,10 @@ import torch
 
 from mechmon_megatron import comm
 from mechmon_megatron.integrations.megatron.core_mla import mla_sources
+from mechmon_megatron.layouts.megatron_fp32 import fp32_sum_group, low_precision_reason
 from mechmon_megatron.layouts.megatron_mla import is_mla
 from mechmon_megatron.layouts.megatron_qkv import (
     find_attention_modules,
-    fp32_sum_group,
-    low_precision_reason,
     qk_layout,
     qk_read_phases,
 )

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.layouts.megatron_fp32 import fp32_sum_group, low_precision_reason
 from mechmon_megatron.layouts.megatron_mla import mla_factors, mla_layout, mla_read_phases
-from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, low_precision_reason
 from mechmon_megatron.monitors.qk_clip import ClipRecorder
 from mechmon_megatron.monitors.qk_source import QKSource, owner_replica
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
-from mechmon_megatron.layouts.megatron_qkv import fp32_sum_group, local_fp32, low_precision_reason
+from mechmon_megatron.layouts.megatron_fp32 import fp32_sum_group, local_fp32, low_precision_reason
 from mechmon_megatron.layouts.param_groups import classify, layer_prefixes
 from mechmon_megatron.monitors.curvature_probe import AdamState, CurvatureProbe, schedule_lr
 from mechmon_megatron.monitors.optim import OptimParam, OptimSource, optim_holders
@@ -46,29 +46,19 @@ __all__ = ["sync_gradients", "adam_state", "optim_source", "optim_holders"]
 ProbeLoss = Callable[[Callable[..., Any]], "torch.Tensor | None"]
 
 
-def _flat_reduce(grads: list[torch.Tensor], group: comm.Group, scale: float,
-                 always: bool = False) -> None:
-    if not grads or (comm.world_size(group) == 1 and not always):
-        return
-    flat = comm.all_reduce_sum(torch.cat([g.reshape(-1) for g in grads]), group) * scale
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def sync_gradients(params: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor]) -> None:
     """Reduce ``grads`` (aligned with ``params``) in place across TP, DP and expert-DP."""
     from megatron.core import parallel_state as ps
 
     pairs = list(zip(params, grads, strict=True))
-    _flat_reduce([g for p, g in pairs if getattr(p, "sequence_parallel", False)],
-                 ps.get_tensor_model_parallel_group(), 1.0)
+    comm.all_reduce_into([g for p, g in pairs if getattr(p, "sequence_parallel", False)],
+                         ps.get_tensor_model_parallel_group(), 1.0)
     dp_group = ps.get_data_parallel_group()
     dp = comm.world_size(dp_group)
-    _flat_reduce([g for p, g in pairs if getattr(p, "allreduce", True)], dp_group, 1.0 / dp)
-    _flat_reduce([g for p, g in pairs if not getattr(p, "allreduce", True)],
-                 ps.get_expert_data_parallel_group(), 1.0 / dp, always=True)
+    comm.all_reduce_into([g for p, g in pairs if getattr(p, "allreduce", True)], dp_group,
+                         1.0 / dp)
+    comm.all_reduce_into([g for p, g in pairs if not getattr(p, "allreduce", True)],
+                         ps.get_expert_data_parallel_group(), 1.0 / dp, always=True)
 
 
 def _owned(param: torch.nn.Parameter, dp_shard: bool = False) -> bool:

@@ -8,15 +8,15 @@ the schedule, the sinks and the restored state of a Megatron-LM run.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from mechmon_megatron import comm
 from mechmon_megatron.assembly import Restore
 from mechmon_megatron.config import MechMonConfig
-from mechmon_megatron.integrations.megatron.checkpoint import iteration_dir, restore_iteration
+from mechmon_megatron.integrations.megatron.checkpoint import restore_iteration
 from mechmon_megatron.integrations.megatron.core import McoreFramework, megatron_schedule
+from mechmon_megatron.integrations.megatron.deferred import DeferredActions
 from mechmon_megatron.sinks import build_sinks
 
 if TYPE_CHECKING:
@@ -25,37 +25,18 @@ if TYPE_CHECKING:
 __all__ = ["MegatronLMActions", "MegatronLMFramework"]
 
 
-class MegatronLMActions:
+class MegatronLMActions(DeferredActions):
     """:class:`~mechmon_megatron.actions.FrameworkActions` for Megatron-LM's training loop.
 
     Both calls only record the request: Megatron saves and stops at the end of the iteration
     through its own path (:mod:`~mechmon_megatron.integrations.megatron.lm`), because
     ``train()`` holds state a save needs (FLOP counter, checkpointing context) that is not
-    reachable from inside ``train_step``.
+    reachable from inside ``train_step``. The checkpoint goes to ``--save``.
     """
 
     def __init__(self, get_args: Callable[[], Any]) -> None:
-        self._get_args = get_args
-        self.save_step: int | None = None
-        """Iteration whose checkpoint was requested, if any."""
-        self.exit_code: int | None = None
-        """Exit code requested, if any."""
-
-    def save_checkpoint(self, step: int) -> str | None:
-        """Schedule the checkpoint of ``step``; return ``<save>/iter_NNNNNNN`` (None without
-        ``--save``)."""
-        save = self._get_args().save
-        if not save:
-            if comm.global_rank() == 0:
-                warnings.warn("mechmon: alarm without --save: Megatron will exit without a "
-                              "checkpoint", RuntimeWarning, stacklevel=2)
-            return None
-        self.save_step = int(step)
-        return iteration_dir(save, int(step))
-
-    def request_exit(self, exit_code: int) -> None:
-        """Record ``exit_code``; Megatron leaves at the end of the current iteration."""
-        self.exit_code = int(exit_code)
+        super().__init__(lambda: get_args().save, "mechmon: alarm without --save: Megatron will "
+                         "exit without a checkpoint")
 
 
 class MegatronLMFramework(McoreFramework):

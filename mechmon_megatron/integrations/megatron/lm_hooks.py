@@ -97,7 +97,7 @@ class MegatronLMHooks:
         assembly = assemble(self.config, MegatronLMFramework(self, chunks, optimizer, scheduler))
         self.config, mon = assembly.config, assembly.mon
         self.mon = mon
-        self.record_batch = any(getattr(m, "estimator", None) is not None for m in mon.monitors)
+        self.record_batch = any(m.estimator is not None for m in mon.monitors)
         self.sync_params = needs_param_sync(
             getattr(margs, "use_distributed_optimizer", False),
             getattr(margs, "overlap_param_gather", False),

@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.config.monitors import OptimMonitorConfig
 from mechmon_megatron.layouts.param_groups import GROUPS
 from mechmon_megatron.monitors.base import Monitor
 from mechmon_megatron.monitors.curvature_probe import CurvatureProbe
@@ -131,7 +132,7 @@ class OptimMonitor(Monitor):
 
     family = "optim"
 
-    def __init__(self, config: Any, source: OptimSource, holders: Mapping[str, int],
+    def __init__(self, config: OptimMonitorConfig, source: OptimSource, holders: Mapping[str, int],
                  judged_from: int = 0) -> None:
         self.config, self.source = config, source
         self.interval = int(config.interval)

@@ -13,11 +13,11 @@ update applies a zero operator; the agreement voids the result afterwards).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.config.monitors import SketchConfig
 from mechmon_megatron.math.sketch import SketchShape, sketch_device
 from mechmon_megatron.monitors.qk_source import QKSource
 
@@ -117,7 +117,7 @@ def operators(source: QKSource, term: str, pair: tuple, gg_G: torch.Tensor,
     return matmat, rmatmat
 
 
-def sketch_term(config: Any, seed: int, source: QKSource, step: int, term: str,
+def sketch_term(config: SketchConfig, seed: int, source: QKSource, step: int, term: str,
                 pair: tuple | None, dims: tuple[int, int], gg_G: torch.Tensor,
                 weight_G: torch.Tensor, fro2: torch.Tensor, device: torch.device
                 ) -> tuple[torch.Tensor, SketchShape, list[BaseException]]:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.config.monitors import QKConfig
 from mechmon_megatron.math.spectra import METRICS
 from mechmon_megatron.monitors import qk_sketch
 from mechmon_megatron.monitors.base import Monitor
@@ -124,7 +125,8 @@ class QKUpdateMonitor(QKCheckpoint, QKWindow, QKBatch, QKObserve, QKHeads, Monit
     family = "attn"
 
     def __init__(
-        self, config: Any, sources: Iterable[QKSource], all_layers: Mapping[int, int] | None = None,
+        self, config: QKConfig, sources: Iterable[QKSource],
+        all_layers: Mapping[int, int] | None = None,
         seed: int = 1234, dp_rank: int = 0, dp_size: int = 1, dp_group: comm.Group = comm.SELF,
         tag: str = "", batched: bool = True, clipped: Iterable[int] = (),
     ) -> None:

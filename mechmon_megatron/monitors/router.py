@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.config.monitors import RouterConfig
 from mechmon_megatron.math.routing import (
     empty_sums,
     num_slots,
@@ -92,7 +92,7 @@ class RouterMonitor(Looks, Stateless, Monitor):
 
     def __init__(
         self,
-        config: Any,
+        config: RouterConfig,
         sources: Sequence[RouterSource],
         all_layers: Sequence[int] | None = None,
         expert_bias: bool | None = None,

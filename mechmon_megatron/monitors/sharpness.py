@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from mechmon_megatron import comm
+from mechmon_megatron.config.monitors import SharpnessConfig
 from mechmon_megatron.layouts.param_groups import GROUPS, param_group
 from mechmon_megatron.math.curvature import (
     PowerResult,
@@ -63,7 +64,7 @@ class SharpnessEstimator:
         probe: the integration's :class:`CurvatureProbe`.
     """
 
-    def __init__(self, config: Any, probe: CurvatureProbe) -> None:
+    def __init__(self, config: SharpnessConfig, probe: CurvatureProbe) -> None:
         self.config, self.probe = config, probe
         if config.method == "double_backward" and probe.gradient is not None:
             warnings.warn("mechmon optim.sharpness: method double_backward needs the weights "

@@ -34,6 +34,8 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from mechmon_megatron.config.monitors import SharpnessConfig
+
 __all__ = ["SharpnessSchedule", "EOS_RATIO"]
 
 EOS_RATIO = "optim/sharpness/eos_ratio"
@@ -49,7 +51,8 @@ class SharpnessSchedule:
         start: no step is off the schedule before this one (where the detectors start judging).
     """
 
-    def __init__(self, config: Any, lr: Callable[[], float] | None, start: int = 0) -> None:
+    def __init__(self, config: SharpnessConfig, lr: Callable[[], float] | None,
+                 start: int = 0) -> None:
         self.config, self.read_lr, self.start = config, lr, int(start)
         self.estimate_lr: float | None = None
         """The LR of the last estimate (None: none yet; the LR trigger waits for one)."""

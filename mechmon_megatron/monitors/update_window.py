@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from mechmon_megatron.config.monitors import UpdateRatioConfig
 from mechmon_megatron.monitors.update_ratio import owned_sums
 
 __all__ = ["UpdateWindow"]
@@ -31,7 +32,7 @@ class UpdateWindow:
         holders: ``{key: ranks holding it}`` over the whole model.
     """
 
-    def __init__(self, config: Any, params: Sequence[Any], keys: Sequence[str],
+    def __init__(self, config: UpdateRatioConfig, params: Sequence[Any], keys: Sequence[str],
                  holders: Mapping[str, int]) -> None:
         self.config, self.params, self.keys, self.holders = config, params, keys, holders
         self.snapshot: list[torch.Tensor] | None = None

@@ -48,21 +48,21 @@ class KindCredit:
 
     def restored(self) -> None:
         """Mark the evidence of restored baselines as credited (their factors travel with them)."""
-        self.seen = {kind: self._evidence(bs) for kind, bs in self.kinds.items()}
+        self.seen = {kind: self._evidence([b for b in bs if b.ready])
+                     for kind, bs in self.kinds.items()}
 
     @staticmethod
-    def _evidence(baselines: list[Baseline]) -> tuple[int, int]:
+    def _evidence(formed: list[Baseline]) -> tuple[int, int]:
         """(formed baselines, later windows seen by them): changes whenever the credit may."""
-        formed = [b for b in baselines if b.ready]
         return len(formed), sum(b.windows for b in formed)
 
     def update(self) -> None:
         """Credit every kind whose evidence changed since it was last credited."""
         for kind, baselines in self.kinds.items():
-            evidence = self._evidence(baselines)
+            formed = [b for b in baselines if b.ready]
+            evidence = self._evidence(formed)
             if evidence == self.seen[kind]:
                 continue
-            formed = [b for b in baselines if b.ready]
             f = max(long_run_factor([b.rho_hat for b in formed], self.warmup),
                     long_run_factor([e for b in formed for e in b.estimates], self.warmup))
             for b in formed:
